@@ -1,0 +1,70 @@
+"""The attention backend interface. A forward pass carries one AttentionMetadata for all its
+layers; the backend writes each layer's new K/V into the paged cache and attends over it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from flashtree.kv.cache import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of the new tokens of one forward pass, packed sequence after sequence.
+
+    Sequence i owns query rows [query_start[i], query_start[i + 1]); its KV after this forward
+    spans logical indices [0, kv_lens[i]), of which the last query_lens[i] are the new tokens.
+    """
+
+    query_start: torch.Tensor  # [num_seqs + 1] int64, cumulative query lengths
+    kv_lens: torch.Tensor  # [num_seqs] int64, context + new tokens
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token's K/V
+    page_tables: torch.Tensor  # [num_seqs, max_pages] int64, padded with 0
+    max_query_len: int
+    max_kv_len: int
+    # Optional visibility among the new tokens: [num_seqs, max_query_len, max_query_len] bool,
+    # entry [i, a, b] says whether new token a of sequence i sees new token b. Context tokens
+    # are always visible. None means causal. Tree verification passes the ancestor mask here.
+    new_token_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n = self.kv_lens.shape[0]
+        assert self.query_start.shape == (n + 1,), (
+            f"query_start {tuple(self.query_start.shape)} vs {n} sequences"
+        )
+        assert self.slot_mapping.shape[0] == int(self.query_start[-1]), (
+            f"slot_mapping has {self.slot_mapping.shape[0]} rows for {int(self.query_start[-1])} "
+            "new tokens"
+        )
+        if self.new_token_mask is not None:
+            q = self.max_query_len
+            assert self.new_token_mask.shape == (n, q, q), (
+                f"new_token_mask {tuple(self.new_token_mask.shape)}, expected {(n, q, q)}"
+            )
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start[1:] - self.query_start[:-1]
+
+
+class AttentionBackend(ABC):
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    @abstractmethod
+    def begin_forward(self, meta: AttentionMetadata) -> None:
+        """Precompute whatever all layers of this forward share (gather indices, masks)."""
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [num_tokens, heads, hd]; k, v: [num_tokens, kv_heads, hd] -> [num_tokens, heads, hd].
+        Writes k, v into the cache at the slots of the current forward first."""

@@ -1,0 +1,118 @@
+"""Continuous batching: admits waiting sequences by free KV pages, prefills long prompts in
+chunks, decodes every running sequence together, and preempts (recompute) when pages run out."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from flashtree.config import SchedulerConfig
+from flashtree.engine.sequence import Sequence, SeqStatus
+from flashtree.kv.cache import PageTables
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute tokens [start, start + count) of `seq`; sample a token when the chunk ends at the
+    sequence's last token."""
+
+    seq: Sequence
+    start: int
+    count: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.count == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pages: PageTables) -> None:
+        self.cfg = cfg
+        self.pages = pages
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order; the last is preempted first
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Pick the work of the next forward: prefill chunks if any sequence has more than one
+        uncomputed token (or is waiting and fits), else one decode token for every running one."""
+        chunks = self._schedule_prefill()
+        return chunks if chunks else self._schedule_decode()
+
+    def _schedule_prefill(self) -> list[ScheduledChunk]:
+        budget = self.cfg.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is SeqStatus.RUNNING and seq.num_uncomputed > 1:
+                chunk = self._prefill_chunk(seq, budget)
+                if chunk is not None:
+                    chunks.append(chunk)
+                    budget -= chunk.count
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            # Admit only when the whole remaining prompt fits in free pages, so that admitted
+            # sequences rarely need to preempt each other.
+            if self.pages.pages_needed(seq.seq_id, seq.num_tokens) > self.pages.num_free:
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunk = self._prefill_chunk(seq, budget)
+            assert chunk is not None, f"admitted sequence {seq.seq_id} could not be scheduled"
+            chunks.append(chunk)
+            budget -= chunk.count
+        return chunks
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        count = min(seq.num_uncomputed, budget)
+        if not self._reserve(seq, seq.num_computed + count):
+            return None
+        return ScheduledChunk(seq, seq.num_computed, count)
+
+    def _schedule_decode(self) -> list[ScheduledChunk]:
+        chunks = []
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted by an earlier sequence of this loop
+            if self._reserve(seq, seq.num_tokens):
+                chunks.append(ScheduledChunk(seq, seq.num_computed, seq.num_uncomputed))
+        return chunks
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Reserve pages for `num_tokens` tokens of `seq`, preempting the most recently admitted
+        other sequences if needed. Returns False if `seq` itself had to be preempted."""
+        while self.pages.pages_needed(seq.seq_id, num_tokens) > self.pages.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.pages.reserve(seq.seq_id, num_tokens)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop the sequence's KV; it is recomputed from its tokens when readmitted."""
+        self.running.remove(seq)
+        self.pages.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self.pages.free(seq.seq_id)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq, "abort")

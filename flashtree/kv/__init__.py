@@ -1,0 +1,3 @@
+from flashtree.kv.cache import KVCache, PageTables
+
+__all__ = ["KVCache", "PageTables"]

@@ -1,0 +1,109 @@
+"""Paged KV cache: one pool of fixed-size pages shared by all sequences, a page table per
+sequence, and the operations speculative decoding needs (write anywhere past the committed
+length, then keep only a chosen subset of those tokens)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """Raised when an allocation needs more pages than the pool has free."""
+
+
+class KVCache:
+    """K and V storage for every layer. A token at logical index i of a sequence lives at flat
+    slot `page_table[i // page_size] * page_size + i % page_size`."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_pages, self.page_size = num_pages, page_size
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, hd]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [n]; k, v: [n, kv_heads, head_dim]
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy K/V of every layer from `src_slots` to `dst_slots` (both [n])."""
+        self.k[:, dst_slots] = self.k[:, src_slots]
+        self.v[:, dst_slots] = self.v[:, src_slots]
+
+
+class PageTables:
+    """Owns the free-page list and each sequence's page table and KV length."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_needed(self, seq_id: int, num_tokens: int) -> int:
+        """Extra pages `seq_id` needs so that it can hold `num_tokens` tokens."""
+        have = len(self._tables.get(seq_id, ()))
+        return max(0, -(-num_tokens // self.page_size) - have)
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        """Make sure `seq_id` owns pages for logical indices [0, num_tokens)."""
+        need = self.pages_needed(seq_id, num_tokens)
+        if need > len(self._free):
+            raise OutOfPages(f"sequence {seq_id} needs {need} pages, {len(self._free)} free")
+        table = self._tables.setdefault(seq_id, [])
+        self.lengths.setdefault(seq_id, 0)
+        for _ in range(need):
+            table.append(self._free.pop())
+
+    def table(self, seq_id: int) -> list[int]:
+        return self._tables[seq_id]
+
+    def slots(self, seq_id: int, start: int, count: int) -> list[int]:
+        """Flat slots of logical indices [start, start + count) of `seq_id`."""
+        table, p = self._tables[seq_id], self.page_size
+        assert start + count <= len(table) * p, (
+            f"seq {seq_id}: indices up to {start + count} exceed {len(table)} reserved pages"
+        )
+        return [table[i // p] * p + i % p for i in range(start, start + count)]
+
+    def set_length(self, seq_id: int, length: int) -> None:
+        """Record that logical indices [0, length) hold valid KV, freeing pages past them."""
+        table = self._tables[seq_id]
+        keep = -(-length // self.page_size)
+        assert keep <= len(table), f"seq {seq_id}: length {length} beyond reserved pages"
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self.lengths[seq_id] = length
+
+    def free(self, seq_id: int) -> None:
+        self._free.extend(reversed(self._tables.pop(seq_id, [])))
+        self.lengths.pop(seq_id, None)
+
+    def keep(self, cache: KVCache, seq_id: int, start: int, keep_offsets: list[int]) -> None:
+        """Keep the tokens at logical indices `start + keep_offsets[j]` (written speculatively
+        past the committed length `start`) as indices `start + j`, and drop every other
+        token past `start`. Offsets must be strictly increasing."""
+        assert all(a < b for a, b in zip(keep_offsets, keep_offsets[1:])), keep_offsets
+        moved = [(o, j) for j, o in enumerate(keep_offsets) if o != j]
+        if moved:
+            device = cache.k.device
+            table, p = self._tables[seq_id], self.page_size
+            src = torch.tensor([table[(start + o) // p] * p + (start + o) % p for o, _ in moved])
+            dst = torch.tensor([table[(start + j) // p] * p + (start + j) % p for _, j in moved])
+            cache.move(src.to(device), dst.to(device))
+        self.set_length(seq_id, start + len(keep_offsets))

@@ -1,0 +1,53 @@
+"""Vocab-parallel embedding and LM head: each TP rank owns a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtree.distributed import (
+    get_tp_rank,
+    get_tp_size,
+    tp_all_gather_last_dim,
+    tp_all_reduce,
+)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        tp = get_tp_size()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp)
+        self.vocab_start = get_tp_rank() * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, vocab_size)
+        self.weight = nn.Parameter(
+            torch.zeros(self.shard_size, hidden_size), requires_grad=False
+        )
+
+    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        if loaded.shape != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(
+                f"tensor {name} has shape {tuple(loaded.shape)}, "
+                f"expected {(self.vocab_size, self.weight.shape[1])}"
+            )
+        rows = loaded[self.vocab_start : self.vocab_end]
+        self.weight.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # token_ids: [num_tokens] -> [num_tokens, hidden]
+        if get_tp_size() == 1:
+            return F.embedding(token_ids, self.weight)
+        local = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
+        out = F.embedding((token_ids - self.vocab_start) * local, self.weight)
+        return tp_all_reduce(out * local.unsqueeze(-1))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Scores hidden states against this rank's vocab slice; gathers the full vocabulary."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # hidden: [n, hidden] -> logits [n, vocab]
+        logits = tp_all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,68 @@
+"""Megatron-style linear layers. Each parameter carries a `weight_loader` that copies this
+rank's shard of a full checkpoint tensor, so checkpoint loading never needs to know the layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtree.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+
+
+def _copy_checked(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"tensor {name} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W split along the output dimension; optionally several logical
+    outputs stacked in one matrix (q/k/v or gate/up), each sharded on its own."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        tp = get_tp_size()
+        assert all(s % tp == 0 for s in out_sizes), f"{out_sizes} not divisible by tp={tp}"
+        self.shard_sizes = [s // tp for s in out_sizes]
+        self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(out_sizes))]
+        out = sum(self.shard_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+
+    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        """Copy this rank's rows of logical output `shard` from the full tensor `loaded`."""
+        size, offset = self.shard_sizes[shard], self.shard_offsets[shard]
+        rows = loaded.narrow(0, get_tp_rank() * size, size)
+        target = self.weight if loaded.dim() == 2 else self.bias
+        assert target is not None, f"{name}: checkpoint has a bias this layer does not"
+        _copy_checked(target.data.narrow(0, offset, size), rows, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) + b with W split along the input dimension."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        tp = get_tp_size()
+        assert in_features % tp == 0, f"in_features {in_features} not divisible by tp={tp}"
+        self.in_shard = in_features // tp
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_shard), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        if loaded.dim() == 1:
+            assert self.bias is not None, f"{name}: checkpoint has a bias this layer does not"
+            _copy_checked(self.bias, loaded, name)
+            return
+        cols = loaded.narrow(1, get_tp_rank() * self.in_shard, self.in_shard)
+        _copy_checked(self.weight, cols, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp_all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as the HF reference does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        if loaded.shape != self.weight.shape:
+            raise ValueError(
+                f"tensor {name} has shape {tuple(loaded.shape)}, expected {tuple(self.weight.shape)}"
+            )
+        self.weight.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)

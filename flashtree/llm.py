@@ -1,0 +1,181 @@
+"""The user-facing `LLM` class, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence as SequenceABC
+
+import torch
+
+from flashtree.config import CacheConfig, SchedulerConfig, parse_dtype
+from flashtree.engine.llm_engine import EngineArgs, LLMEngine
+from flashtree.engine.sequence import Sequence
+from flashtree.models.registry import load_model, resolve_model_path
+from flashtree.outputs import CompletionOutput, RequestOutput
+from flashtree.sampling import SamplingParams
+from flashtree.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+SPEC_MODES = ("none",)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "default",
+        draft: str | None = None,
+        spec: str | None = None,
+        block_size: int | None = None,
+        tree_budget: int | None = None,
+        topk_cap: int | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        skip_tokenizer_init: bool = False,
+        seed: int = 0,
+        enforce_eager: bool = False,
+        page_size: int = 16,
+        kv_cache_pages: int | None = None,
+        max_num_batched_tokens: int = 1024,
+    ) -> None:
+        if draft is not None or spec not in (None, "none"):
+            raise ValueError(
+                f"spec={spec!r} with draft={draft!r} is not available yet; allowed: spec=None "
+                "or 'none' (plain decoding) without a draft"
+            )
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} is not supported yet; allowed: 1"
+            )
+        del block_size, tree_budget, topk_cap, enforce_eager  # used by speculative modes
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = parse_dtype(dtype, self.device)
+        path = resolve_model_path(model)
+        self.model, self.model_config = load_model(path, self.dtype, self.device)
+        self.tokenizer = None if skip_tokenizer_init else Tokenizer.load(path)
+        limit = self.model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                f"{limit}"
+            )
+        sched = SchedulerConfig(
+            max_num_seqs=max_num_seqs or 64,
+            max_model_len=max_model_len or min(limit, 4096),
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        cache = CacheConfig(page_size=page_size, num_pages=kv_cache_pages)
+        args = EngineArgs(self.device, self.dtype, sched, cache, seed)
+        self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args)
+
+    # ----------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompt_list))
+        encoded = [self._encode(p) for p in prompt_list]
+        return self._run(prompt_list, encoded, params_list)
+
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        tok = self._require_tokenizer()
+        encoded = [tok.apply_chat_template(list(c)) for c in conversations]  # type: ignore[arg-type]
+        params_list = self._params_list(sampling_params, len(encoded))
+        return self._run([None] * len(encoded), encoded, params_list)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
+        """Generate for one tokenized prompt, yielding text as it becomes final."""
+        tok = self._require_tokenizer()
+        seq = self.engine.add_request(prompt_ids, params)
+        sent = ""
+        try:
+            while not seq.is_finished:
+                self.engine.step()
+                text = seq.text if seq.is_finished else tok.decode(seq.output_ids)
+                # Hold back an incomplete UTF-8 sequence and a possible stop-string prefix.
+                if not seq.is_finished:
+                    text = text.rstrip("\ufffd")
+                    hold = max((len(s) - 1 for s in params.stop_strings), default=0)
+                    text = text[: len(text) - hold] if hold else text
+                if len(text) > len(sent) and text.startswith(sent):
+                    yield text[len(sent):]
+                    sent = text
+        finally:
+            self.engine.abort(seq)
+
+    # ----------------------------------------------------------------- helpers
+    def _run(
+        self,
+        prompts: list[str | None],
+        encoded: list[list[int]],
+        params_list: list[SamplingParams],
+    ) -> list[RequestOutput]:
+        seqs: list[Sequence] = []
+        try:
+            for ids, params in zip(encoded, params_list):
+                seqs.append(self.engine.add_request(ids, params))
+            while any(not s.is_finished for s in seqs):
+                self.engine.step()
+        finally:
+            for s in seqs:
+                self.engine.abort(s)
+        return [
+            RequestOutput(
+                request_id=str(s.seq_id),
+                prompt=p,
+                prompt_token_ids=s.prompt_ids,
+                outputs=[
+                    CompletionOutput(0, s.text, list(s.output_ids), s.finish_reason,
+                                     list(s.spec_accept_lengths))
+                ],
+                finished=True,
+            )
+            for p, s in zip(prompts, seqs)
+        ]
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self._require_tokenizer().encode(prompt)
+        return list(prompt)
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this LLM was built with skip_tokenizer_init=True; pass token ids")
+        return self.tokenizer
+
+    @staticmethod
+    def _params_list(
+        params: SamplingParams | SequenceABC[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give 1 or {n}")
+        return params
+
+
+def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    for p in prompts:
+        if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p))):
+            raise ValueError(
+                f"each prompt must be a string or a list of token ids, got {type(p).__name__}"
+            )
+    return prompts  # type: ignore[return-value]

@@ -1,0 +1,111 @@
+"""GGUF checkpoints through the `gguf` package: metadata -> ModelConfig, tensors dequantized to
+float at load (any type `gguf.quants.dequantize` supports: Q4_0/Q4_1/Q8_0/K-quants/F16/F32)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashtree.config import ModelConfig
+
+# GGUF architecture -> HF architecture. Only Llama is exercised against transformers' own GGUF
+# loader; other architectures are refused rather than loaded on an unverified name mapping.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; allowed: {list(_ARCHITECTURES)}"
+        )
+    names = {t.name for t in reader.tensors}
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    hf = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": None if eos is None else int(eos),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+    }
+    return ModelConfig.from_hf(hf)
+
+
+def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp interleaves the two rotary halves of each q/k head; restore HF's rotate-half
+    row order. w: [heads * head_dim, in]."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor of the file."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        base, _, kind = t.name.rpartition(".")
+        parts = base.split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_TENSORS:
+            hf = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
+        elif base in _GLOBAL_TENSORS:
+            hf = f"{_GLOBAL_TENSORS[base]}.{kind}"
+        else:
+            hf = t.name  # reported as unknown by the model loader
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # owned, writable
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))  # GGML lists dims inner-first
+        if base.endswith("attn_q"):
+            w = _unpermute_rope_rows(w, cfg.num_heads)
+        elif base.endswith("attn_k"):
+            w = _unpermute_rope_rows(w, cfg.num_kv_heads)
+        yield hf, torch.from_numpy(np.ascontiguousarray(w))
+
+
+def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device):
+    from gguf import GGUFReader
+
+    from flashtree.models.loader import build_model
+
+    reader = GGUFReader(str(path))
+    cfg = gguf_config(reader)
+    return build_model(cfg, gguf_tensors(reader, cfg), dtype, device), cfg

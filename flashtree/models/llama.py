@@ -1,0 +1,177 @@
+"""The dense decoder family: Llama (incl. Llama-3 RoPE scaling), Qwen2 (qkv bias) and Qwen3
+(per-head q/k RMSNorm, explicit head_dim), tied or untied embeddings. One implementation,
+switched by ModelConfig flags."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtree.attention.backend import AttentionBackend
+from flashtree.config import ModelConfig
+from flashtree.distributed import get_tp_size
+from flashtree.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
+from flashtree.layers.norm import RMSNorm
+from flashtree.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        tp = get_tp_size()
+        self.layer = layer
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_heads // tp
+        self.num_kv_heads = max(1, cfg.num_kv_heads // tp)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, backend: AttentionBackend) -> torch.Tensor:
+        # x: [n, hidden]; rope: cos, sin [n, 1, head_dim]
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = backend.forward(self.layer, q, k, v)  # [n, heads, hd]
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# HF checkpoint name suffix -> (module attribute path suffix, shard index) for stacked weights.
+_STACKED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class DecoderModel(nn.Module):
+    """Decoder stack + LM head. `forward` returns the final hidden states of the requested rows
+    and, when asked, the outputs of chosen decoder layers (for DFlash context features)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, self.norm.weight.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids, positions: [n] -> (final-normed hidden [n, hidden],
+        [output of layer i for i in capture_layers], each [n, hidden])."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, backend)
+            if i in capture_layers:
+                captured[i] = x
+        return self.norm(x), [captured[i] for i in capture_layers]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [n, hidden] -> [n, vocab] in float32
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors. Unknown names and tensors left unloaded are errors that name
+        them (in checkpoint naming); the LM head may be absent when embeddings are tied."""
+        modules = dict(self.named_modules())
+        expected = set(self._hf_parameter_names())
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            module_path, _, kind = name.rpartition(".")
+            shard = 0
+            for suffix, (target, index) in _STACKED.items():
+                if module_path.endswith(suffix):
+                    module_path, shard = module_path[: -len(suffix)] + target, index
+            module = modules.get(module_path)
+            if (
+                kind not in ("weight", "bias")
+                or not hasattr(module, "load_shard")
+                or getattr(module, kind, None) is None
+            ):
+                unknown.append(hf_name)
+                continue
+            module.load_shard(hf_name, tensor, shard)
+            loaded.add(name)
+        if unknown:
+            raise ValueError(f"checkpoint has tensors this model does not know: {sorted(unknown)}")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing}")
+
+    def _hf_parameter_names(self) -> list[str]:
+        """Checkpoint names (without the `model.` prefix) this model needs, stacked weights
+        listed under their separate HF names."""
+        unstack: dict[str, list[str]] = {}
+        for hf_suffix, (target, _) in _STACKED.items():
+            unstack.setdefault(target, []).append(hf_suffix)
+        names = []
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            module_path, _, kind = name.rpartition(".")
+            for target, sources in unstack.items():
+                if module_path.endswith(target):
+                    prefix = module_path[: -len(target)]
+                    names.extend(f"{prefix}{src}.{kind}" for src in sources)
+                    break
+            else:
+                names.append(name)
+        return names

@@ -1,0 +1,126 @@
+"""SamplingParams (vLLM names and defaults) and the logits processing shared by plain and
+speculative decoding: penalties, temperature, top-k, top-p, min-p, then a seeded draw."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check(self.temperature, "temperature", self.temperature >= 0, ">= 0")
+        _check(self.top_p, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        _check(self.top_k, "top_k", self.top_k >= -1, "-1, 0 (off) or a positive integer")
+        _check(self.min_p, "min_p", 0 <= self.min_p <= 1, "in [0, 1]")
+        _check(self.repetition_penalty, "repetition_penalty", self.repetition_penalty > 0, "> 0")
+        _check(self.presence_penalty, "presence_penalty", -2 <= self.presence_penalty <= 2,
+               "in [-2, 2]")
+        _check(self.frequency_penalty, "frequency_penalty", -2 <= self.frequency_penalty <= 2,
+               "in [-2, 2]")
+        if self.max_tokens is not None:
+            _check(self.max_tokens, "max_tokens", self.max_tokens >= 1, ">= 1 (or None)",
+                   integer=True)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_strings = tuple(stops)
+        ids = self.stop_token_ids or []
+        if not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {ids!r}")
+        self.stop_token_ids = list(ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _check(value, name: str, ok: bool, allowed: str, integer: bool = False) -> None:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if integer and not isinstance(value, int):
+        is_number = False
+    if not is_number or (isinstance(value, float) and math.isnan(value)) or not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt + output, presence/frequency over output only.
+    logits: [vocab] float32 -> [vocab]."""
+    if not params.has_penalties:
+        return logits
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        if seen.numel():
+            seen = seen.to(logits.device)
+            vals = logits[seen]
+            penalty = params.repetition_penalty
+            logits[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(
+            torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1]
+        ).to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Distribution plain sampling draws from at temperature > 0. logits: [vocab] -> [vocab]."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the top token is always kept).
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    prompt_ids: list[int],
+    output_ids: list[int],
+) -> int:
+    """Draw the next token for one request. logits: [vocab] float32."""
+    logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = probabilities(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))

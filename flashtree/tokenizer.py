@@ -1,0 +1,43 @@
+"""Tokenizer and chat template, offline: `tokenizer.json`/`tokenizer_config.json` of a Hugging
+Face directory, or the vocabulary and template stored in a GGUF file. transformers renders
+chat templates in a sandboxed Jinja environment and never runs checkpoint code here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer) -> None:
+        self.hf = hf_tokenizer
+
+    @staticmethod
+    def load(source: Path) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        if source.suffix == ".gguf":
+            tok = AutoTokenizer.from_pretrained(
+                str(source.parent), gguf_file=source.name, local_files_only=True
+            )
+        else:
+            tok = AutoTokenizer.from_pretrained(
+                str(source), local_files_only=True, trust_remote_code=False
+            )
+        return Tokenizer(tok)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template already holds any BOS token it wants.
+        return list(self.hf.encode(text, add_special_tokens=False))
