@@ -142,7 +142,7 @@ _ARCH_BY_MODEL_TYPE = {
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry. `num_pages=None` sizes the pool to hold `max_num_seqs` x
-    `max_model_len` tokens, capped by `memory_bytes` (default: 1 GiB on CPU, half the free
+    `max_model_len` tokens, capped by `memory_bytes` (default: 256 MiB on CPU, half the free
     memory on GPU) and never below one `max_model_len` sequence."""
 
     page_size: int = 16
@@ -167,7 +167,7 @@ class CacheConfig:
             return self.num_pages
         budget = self.memory_bytes
         if budget is None:
-            budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 1 << 30
+            budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 1 << 28
         affordable = budget // (bytes_per_token * self.page_size)
         wanted = max_num_seqs * self.pages_for(max_model_len)
         return max(self.pages_for(max_model_len), min(wanted, affordable))

@@ -4,6 +4,8 @@ chat templates in a sandboxed Jinja environment and never runs checkpoint code h
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 
@@ -16,13 +18,32 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         if source.suffix == ".gguf":
-            tok = AutoTokenizer.from_pretrained(
-                str(source.parent), gguf_file=source.name, local_files_only=True
-            )
+            return Tokenizer._load_gguf(source)
         else:
             tok = AutoTokenizer.from_pretrained(
                 str(source), local_files_only=True, trust_remote_code=False
             )
+        return Tokenizer(tok)
+
+    @staticmethod
+    def _load_gguf(source: Path) -> Tokenizer:
+        """Convert the GGUF vocabulary once and keep the result beside the cached weights."""
+        from transformers import AutoTokenizer
+
+        from flashtree.models.gguf import gguf_cache_dir
+
+        cache = gguf_cache_dir(source) / "tokenizer"
+        if (cache / "tokenizer_config.json").is_file():
+            return Tokenizer(AutoTokenizer.from_pretrained(str(cache), local_files_only=True))
+        tok = AutoTokenizer.from_pretrained(
+            str(source.parent), gguf_file=source.name, local_files_only=True
+        )
+        tmp = cache.with_name(f"tokenizer.tmp{os.getpid()}")
+        try:
+            tok.save_pretrained(str(tmp))
+            tmp.rename(cache)  # atomic: a half-written cache is never read
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # caching is only an optimisation
         return Tokenizer(tok)
 
     @property

@@ -62,4 +62,5 @@ class ModelRunner:
         for c in chunks:
             c.seq.num_computed = c.start + c.count
             self.pages.set_length(c.seq.seq_id, c.seq.num_computed)
-        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows])

@@ -31,6 +31,7 @@ class Scheduler:
         self.pages = pages
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is preempted first
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -102,6 +103,7 @@ class Scheduler:
         self.pages.free(seq.seq_id)
         seq.num_computed = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -1,8 +1,15 @@
 """GGUF checkpoints through the `gguf` package: metadata -> ModelConfig, tensors dequantized to
-float at load (any type `gguf.quants.dequantize` supports: Q4_0/Q4_1/Q8_0/K-quants/F16/F32)."""
+float at load (any type `gguf.quants.dequantize` supports: Q4_0/Q4_1/Q8_0/K-quants/F16/F32).
+
+Parsing GGUF metadata and dequantizing take tens of seconds on a small CPU, so the first load
+also writes the result as a Hugging Face directory (config.json + float32 safetensors + the
+converted tokenizer) under the cache folder; later loads read that directory."""
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,7 +45,15 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def gguf_config(reader) -> ModelConfig:
+def gguf_cache_dir(path: Path) -> Path:
+    """Cache folder of one GGUF file, keyed by its name, size and modification time."""
+    root = Path(os.environ.get("FLASHTREE_CACHE", Path.home() / ".cache" / "flashtree"))
+    stat = path.stat()
+    return root / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def gguf_hf_config(reader) -> dict:
+    """The Hugging Face config.json equivalent of a GGUF file's metadata."""
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(
@@ -65,7 +80,8 @@ def gguf_config(reader) -> ModelConfig:
         "eos_token_id": None if eos is None else int(eos),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
-    return ModelConfig.from_hf(hf)
+    ModelConfig.from_hf(hf)  # validate before any tensor is read
+    return hf
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -103,9 +119,24 @@ def gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
 
 def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device):
     from gguf import GGUFReader
+    from safetensors.torch import save_file
 
-    from flashtree.models.loader import build_model
+    from flashtree.models.loader import build_model, load_hf_model
 
+    cache = gguf_cache_dir(path)
+    if (cache / "model.safetensors").is_file():
+        return load_hf_model(cache, dtype, device)
     reader = GGUFReader(str(path))
-    cfg = gguf_config(reader)
-    return build_model(cfg, gguf_tensors(reader, cfg), dtype, device), cfg
+    hf_config = gguf_hf_config(reader)
+    cfg = ModelConfig.from_hf(hf_config)
+    tensors = dict(gguf_tensors(reader, cfg))
+    model = build_model(cfg, iter(tensors.items()), dtype, device)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / "config.json").write_text(json.dumps(hf_config, indent=2))
+        tmp = cache / "model.safetensors.tmp"
+        save_file(tensors, str(tmp))
+        tmp.rename(cache / "model.safetensors")  # atomic: a half-written cache is never read
+    except OSError as e:
+        warnings.warn(f"could not cache the converted GGUF in {cache}: {e}", stacklevel=2)
+    return model, cfg
