@@ -9,6 +9,7 @@ import torch
 from flashtree.config import CacheConfig, SchedulerConfig, parse_dtype
 from flashtree.engine.llm_engine import EngineArgs, LLMEngine
 from flashtree.engine.sequence import Sequence
+from flashtree.models.dflash import load_dflash_drafter
 from flashtree.models.registry import load_model, resolve_model_path
 from flashtree.outputs import CompletionOutput, RequestOutput
 from flashtree.sampling import SamplingParams
@@ -16,7 +17,7 @@ from flashtree.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
-SPEC_MODES = ("none",)
+SPEC_MODES = ("none", "dflash")
 
 
 class LLM:
@@ -40,20 +41,32 @@ class LLM:
         kv_cache_pages: int | None = None,
         max_num_batched_tokens: int = 1024,
     ) -> None:
-        if draft is not None or spec not in (None, "none"):
+        if spec is None:
+            # DDTree becomes the default with a drafter once it lands; DFlash chains until then.
+            spec = "none" if draft is None else "dflash"
+        if spec not in SPEC_MODES:
+            raise ValueError(f"spec={spec!r} is not supported; allowed: {list(SPEC_MODES)}")
+        if spec != "none" and draft is None:
+            raise ValueError(f"spec={spec!r} needs a drafter: pass draft='/path/to/dflash_dir'")
+        if block_size is not None and (spec == "none" or block_size < 1):
             raise ValueError(
-                f"spec={spec!r} with draft={draft!r} is not available yet; allowed: spec=None "
-                "or 'none' (plain decoding) without a draft"
+                f"block_size={block_size} needs spec='dflash' and must be >= 1"
             )
         if tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} is not supported yet; allowed: 1"
             )
-        del block_size, tree_budget, topk_cap, enforce_eager  # used by speculative modes
+        del tree_budget, topk_cap, enforce_eager  # used by later modes
+        self.spec = spec
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(dtype, self.device)
         path = resolve_model_path(model)
         self.model, self.model_config = load_model(path, self.dtype, self.device)
+        self.drafter = None
+        if spec != "none":
+            assert draft is not None
+            self.drafter = load_dflash_drafter(draft, self.dtype, self.device)
+            self.drafter.cfg.check_target(self.model_config)
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.load(path)
         limit = self.model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -67,8 +80,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
         )
         cache = CacheConfig(page_size=page_size, num_pages=kv_cache_pages)
-        args = EngineArgs(self.device, self.dtype, sched, cache, seed)
-        self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args)
+        args = EngineArgs(self.device, self.dtype, sched, cache, seed, block_size)
+        self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args, self.drafter)
 
     # ----------------------------------------------------------------- generation
     def generate(

@@ -20,3 +20,52 @@ def save_tiny_llama(path: Path, seed: int = 0, vocab_size: int = 64, **overrides
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def save_tiny_qwen3(path: Path, seed: int = 0, vocab_size: int = 64, **overrides) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def save_reference_drafter(
+    path: Path, target_dir: Path, seed: int = 0, block_size: int = 8,
+    layer_types: list[str] | None = None, sliding_window: int | None = None,
+    target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
+    **overrides,
+) -> Path:
+    """A random DFlash drafter built and saved by z-lab's reference package (`dflash`)."""
+    import json
+
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    layers = len(layer_types) if layer_types else 2
+    cfg = Qwen3Config(
+        vocab_size=target["vocab_size"], hidden_size=target["hidden_size"], intermediate_size=48,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=512, rms_norm_eps=1e-6,
+        layer_types=layer_types or ["full_attention"] * layers, sliding_window=sliding_window,
+        use_sliding_window=sliding_window is not None, **overrides,
+    )
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.block_size = block_size
+    cfg.num_target_layers = target["num_hidden_layers"]
+    cfg.dflash_config = {
+        "target_layer_ids": target_layer_ids or [0, target["num_hidden_layers"] - 2],
+        "mask_token_id": target["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
+    }
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path

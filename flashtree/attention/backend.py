@@ -27,8 +27,13 @@ class AttentionMetadata:
     max_kv_len: int
     # Optional visibility among the new tokens: [num_seqs, max_query_len, max_query_len] bool,
     # entry [i, a, b] says whether new token a of sequence i sees new token b. Context tokens
-    # are always visible. None means causal. Tree verification passes the ancestor mask here.
+    # are always visible. None means causal (or all-visible when `causal` is False). Tree
+    # verification passes the ancestor mask here.
     new_token_mask: torch.Tensor | None = None
+    causal: bool = True
+    # Keys more than `sliding_window - 1` positions before a query are hidden (and after it,
+    # when not causal). Positions are logical indices: valid for chains, not for trees.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         n = self.kv_lens.shape[0]

@@ -42,11 +42,18 @@ class SdpaBackend(AttentionBackend):
         new_pos = kv_idx[None, None, :] - ctx_lens[:, None, None]  # [n, 1, max_kv]
         if meta.new_token_mask is None:
             visible = new_pos <= q_idx[None, :, None]
+            if not meta.causal:
+                visible = visible | (new_pos >= 0)
         else:
             among_new = meta.new_token_mask.to(device)  # [n, max_q, max_q]
             gather_col = new_pos.clamp(0, max_q - 1).expand(n, max_q, max_kv)
             visible = (new_pos < 0) | torch.gather(among_new, 2, gather_col)
         visible = visible & (kv_idx[None, None, :] < kv_lens[:, None, None])
+        if meta.sliding_window is not None:
+            distance = (ctx_lens[:, None, None] + q_idx[None, :, None]) - kv_idx[None, None, :]
+            visible = visible & (distance < meta.sliding_window)
+            if not meta.causal:
+                visible = visible & (-distance < meta.sliding_window)
         # Padded query rows would have no visible key (NaN softmax); let them see key 0.
         pad_row = q_idx[None, :] >= q_lens[:, None]  # [n, max_q]
         visible = visible | (pad_row[:, :, None] & (kv_idx == 0)[None, None, :])

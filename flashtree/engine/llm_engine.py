@@ -1,5 +1,5 @@
-"""Synchronous engine: owns the model, KV cache, scheduler and runner; `step()` runs one forward
-and returns the sequences that changed."""
+"""Synchronous engine: owns the model, KV cache, scheduler and runner; `step()` runs one
+scheduled forward (plain or speculative) and returns the sequences that got new tokens."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ from dataclasses import dataclass
 import torch
 
 from flashtree.config import CacheConfig, ModelConfig, SchedulerConfig
+from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
-from flashtree.engine.scheduler import Scheduler
+from flashtree.engine.scheduler import ScheduledChunk, Scheduler
 from flashtree.engine.sequence import Sequence
 from flashtree.kv.cache import KVCache, PageTables
+from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
 from flashtree.sampling import SamplingParams, sample_token
+from flashtree.spec.dflash import ContextRows, DFlashProposer
+from flashtree.spec.verify import walk_chain
 from flashtree.tokenizer import Tokenizer
 
 
@@ -25,6 +29,7 @@ class EngineArgs:
     scheduler: SchedulerConfig
     cache: CacheConfig
     seed: int = 0
+    block_size: int | None = None  # speculative block (default: the drafter's)
 
 
 class LLMEngine:
@@ -34,30 +39,42 @@ class LLMEngine:
         model_cfg: ModelConfig,
         tokenizer: Tokenizer | None,
         args: EngineArgs,
+        drafter: DFlashDraftModel | None = None,
     ) -> None:
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.args = args
         kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's share
-        bytes_per_token = (
-            2 * model_cfg.num_layers * kv_heads * model_cfg.head_dim * args.dtype.itemsize
-        )
+        bytes_per_token = 2 * model_cfg.num_layers * kv_heads * model_cfg.head_dim
+        if drafter is not None:
+            d = drafter.layers[0].self_attn
+            bytes_per_token += 2 * len(drafter.layers) * d.num_kv_heads * d.head_dim
         num_pages = args.cache.resolve_num_pages(
-            args.scheduler.max_num_seqs, args.scheduler.max_model_len, bytes_per_token, args.device
+            args.scheduler.max_num_seqs, args.scheduler.max_model_len,
+            bytes_per_token * args.dtype.itemsize, args.device,
         )
         self.cache = KVCache(
             model_cfg.num_layers, num_pages, args.cache.page_size, kv_heads, model_cfg.head_dim,
             args.dtype, args.device,
         )
         self.pages = PageTables(num_pages, args.cache.page_size)
-        self.scheduler = Scheduler(args.scheduler, self.pages)
-        self.runner = ModelRunner(model, self.cache, self.pages)
+        self.proposer: DFlashProposer | None = None
+        self.block_size = 1
+        capture: tuple[int, ...] = ()
+        if drafter is not None:
+            drafter.cfg.check_target(model_cfg)
+            self.proposer = DFlashProposer(drafter, model, self.pages, args.dtype, args.device)
+            self.block_size = args.block_size or drafter.cfg.block_size
+            capture = drafter.cfg.target_layer_ids
+        self.scheduler = Scheduler(args.scheduler, self.pages, lookahead=self.block_size - 1)
+        self.runner = ModelRunner(model, self.cache, self.pages, capture)
         self._ids = itertools.count()
         eos = set(model_cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
 
+    # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Validate and queue one request. Raises ValueError naming what is wrong."""
         max_len = self.args.scheduler.max_model_len
@@ -94,35 +111,107 @@ class LLMEngine:
         if not seq.is_finished:
             self.scheduler.abort(seq)
 
+    # ------------------------------------------------------------------ stepping
     def step(self) -> list[Sequence]:
-        """Run one forward; return the sequences that got a new token."""
+        """Run one forward; return the sequences that got new tokens."""
         chunks = self.scheduler.schedule()
         if not chunks:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
-        logits = self.runner.forward(chunks)
+        if self.proposer is not None and chunks[0].decode:
+            return self._speculative_step(chunks)
+        return self._plain_step(chunks)
+
+    def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
+        mode = Mode.DECODE if chunks[0].decode else Mode.PREFILL
+        items = [
+            BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
+                      wants_logits=c.samples)
+            for c in chunks
+        ]
+        logits, features = self.runner.forward(mode, items)
+        injected, row = [], 0
+        for c in chunks:
+            c.seq.num_computed = c.start + c.count
+            self.pages.set_length(c.seq.seq_id, c.seq.num_computed)
+            if features is not None:
+                injected.append(ContextRows(c.seq.seq_id, c.start, features[row : row + c.count]))
+            row += c.count
+        if self.proposer is not None:
+            self.proposer.inject(injected)
         sampling = [c for c in chunks if c.samples]
-        for row, chunk in enumerate(sampling):
-            seq = chunk.seq
-            was_decode = chunk.count == 1 and seq.output_ids
-            token = sample_token(
-                logits[row], seq.params, seq.generator, seq.prompt_ids, seq.output_ids
-            )
-            seq.output_ids.append(token)
-            if was_decode:
-                seq.spec_accept_lengths.append(1)
-            self._check_finished(seq)
+        for i, c in enumerate(sampling):
+            seq = c.seq
+            token = sample_token(logits[i], seq.params, seq.generator, seq.prompt_ids,
+                                 seq.output_ids)
+            self._append(seq, [token], record=c.decode)
         return [c.seq for c in sampling]
 
-    def _check_finished(self, seq: Sequence) -> None:
+    def _speculative_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
+        """Draft one block per request, verify all blocks in one target forward, commit the
+        accepted prefix plus the target's next token."""
+        assert self.proposer is not None
+        seqs = [c.seq for c in chunks]
+        # Block b = min(B, room left): the last blocks of a request shrink, as the reference's do.
+        sizes = [min(self.block_size, s.max_total_len - s.num_computed) for s in seqs]
+        bonuses = [s.output_ids[-1] for s in seqs]
+        to_draft = [(s.seq_id, s.num_computed, t, b)
+                    for s, t, b in zip(seqs, bonuses, sizes) if b > 1]
+        proposed = iter(self.proposer.propose(to_draft) if to_draft else [])
+        drafts = [next(proposed) if b > 1 else [] for b in sizes]
+        items = [BatchItem(s.seq_id, s.num_computed, [t] + d, all_logits=True)
+                 for s, t, d in zip(seqs, bonuses, drafts)]
+        logits, features = self.runner.forward(Mode.VERIFY, items)
+        greedy_rows = None
+        if all(s.params.greedy and not s.params.has_penalties for s in seqs):
+            greedy_rows = logits.argmax(dim=-1).tolist()  # one device sync for the batch
+        injected, committed, row = [], [], 0
+        for seq, d in zip(seqs, drafts):
+            if greedy_rows is not None:
+                base = row
+                new = walk_chain(d, lambda j, _prev, base=base: greedy_rows[base + j])
+            else:
+                new = walk_chain(d, self._row_sampler(seq, logits, row))
+            start = seq.num_computed
+            seq.num_computed = start + len(new)  # bonus + accepted drafts now hold KV
+            self.pages.set_length(seq.seq_id, seq.num_computed)
+            assert features is not None
+            injected.append(ContextRows(seq.seq_id, start, features[row : row + len(new)]))
+            committed.append(new)
+            row += len(d) + 1
+        self.proposer.inject(injected)
+        for seq, new in zip(seqs, committed):
+            self._append(seq, new, record=True)
+        return seqs
+
+    def _row_sampler(self, seq: Sequence, logits: torch.Tensor, first_row: int):
+        def target_token(j: int, committed: list[int]) -> int:
+            return sample_token(logits[first_row + j], seq.params, seq.generator,
+                                seq.prompt_ids, seq.output_ids + committed)
+        return target_token
+
+    # ------------------------------------------------------------------ finishing
+    def _append(self, seq: Sequence, tokens: list[int], record: bool) -> None:
+        """Append tokens one by one, stopping at the first that finishes the request.
+        `record`: count them as one target forward's commit in spec_accept_lengths."""
+        produced = 0
+        for token in tokens:
+            seq.output_ids.append(token)
+            produced += 1
+            if self._check_finished(seq):
+                break
+        if record:
+            seq.spec_accept_lengths.append(produced)
+
+    def _check_finished(self, seq: Sequence) -> bool:
         params, token = seq.params, seq.output_ids[-1]
         if params.stop_strings and self.tokenizer is not None:
             text = self.decode(seq)
             hits = [i for i in (text.find(s) for s in params.stop_strings) if i >= 0]
             if hits:
-                seq.text = text[: min(hits)]
                 self.scheduler.finish(seq, "stop")
-                return
+                seq.text = text[: min(hits)]
+                return True
         if (not params.ignore_eos and token in self.eos_token_ids) or (
             token in params.stop_token_ids
         ):
@@ -131,6 +220,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "length")
         if seq.is_finished and self.tokenizer is not None:
             seq.text = self.decode(seq)
+        return seq.is_finished
 
     def decode(self, seq: Sequence) -> str:
         assert self.tokenizer is not None, "decode needs a tokenizer"

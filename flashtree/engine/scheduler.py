@@ -19,6 +19,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     count: int
+    decode: bool = False  # one new token of a running request (speculation may extend it)
 
     @property
     def samples(self) -> bool:
@@ -26,9 +27,11 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pages: PageTables) -> None:
+    def __init__(self, cfg: SchedulerConfig, pages: PageTables, lookahead: int = 0) -> None:
         self.cfg = cfg
         self.pages = pages
+        # Extra tokens a decode step may write past the sequence (speculative blocks).
+        self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is preempted first
         self.num_preemptions = 0
@@ -82,8 +85,9 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted by an earlier sequence of this loop
-            if self._reserve(seq, seq.num_tokens):
-                chunks.append(ScheduledChunk(seq, seq.num_computed, seq.num_uncomputed))
+            assert seq.num_uncomputed == 1, f"seq {seq.seq_id}: decode with unfinished prefill"
+            if self._reserve(seq, min(seq.num_tokens + self.lookahead, seq.max_total_len)):
+                chunks.append(ScheduledChunk(seq, seq.num_computed, 1, decode=True))
         return chunks
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:

@@ -1,0 +1,82 @@
+"""ForwardBatch: everything one forward pass reads, built the same way for every mode."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from flashtree.attention.backend import AttentionMetadata
+from flashtree.kv.cache import PageTables
+
+
+class Mode(enum.Enum):
+    PREFILL = "prefill"  # prompt chunks (or recompute after preemption)
+    DECODE = "decode"  # one token per request
+    DRAFT = "draft"  # DFlash block [bonus, mask x (B-1)] through the drafter
+    VERIFY = "verify"  # a block of drafted tokens through the target
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One request's slice of a forward: `tokens` at logical indices [start, start + len)."""
+
+    seq_id: int
+    start: int
+    tokens: list[int]
+    all_logits: bool = False  # score every row (verify) instead of only the last
+    wants_logits: bool = True
+
+
+@dataclass
+class ForwardBatch:
+    mode: Mode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata
+    logit_rows: torch.Tensor  # [num_scored] int64, rows of the packed tokens to score
+    row_counts: list[int] = field(default_factory=list)  # scored rows per item, in order
+
+    @staticmethod
+    def build(
+        mode: Mode, items: list[BatchItem], pages: PageTables, device: torch.device,
+        causal: bool = True, sliding_window: int | None = None,
+    ) -> ForwardBatch:
+        assert items, f"{mode.value}: empty batch"
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        counts: list[int] = []
+        starts = [0]
+        for it in items:
+            n = len(it.tokens)
+            assert n > 0, f"{mode.value}: request {it.seq_id} has no tokens"
+            first = len(ids)
+            ids += it.tokens
+            positions += range(it.start, it.start + n)
+            slots += pages.slots(it.seq_id, it.start, n)
+            scored = range(first, first + n) if it.all_logits else [first + n - 1]
+            scored = scored if it.wants_logits else []
+            rows += scored
+            counts.append(len(scored))
+            starts.append(len(ids))
+        tables = [pages.table(it.seq_id) for it in items]
+        width = max(len(t) for t in tables)
+        kv_lens = [it.start + len(it.tokens) for it in items]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        attn = AttentionMetadata(
+            query_start=tensor(starts),
+            kv_lens=tensor(kv_lens),
+            slot_mapping=tensor(slots),
+            page_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
+            max_query_len=max(len(it.tokens) for it in items),
+            max_kv_len=max(kv_lens),
+            causal=causal,
+            sliding_window=sliding_window,
+        )
+        return ForwardBatch(mode, tensor(ids), tensor(positions), attn, tensor(rows), counts)

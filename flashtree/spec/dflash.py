@@ -1,0 +1,101 @@
+"""DFlash drafting over a paged draft KV cache that shares the target's page tables.
+
+The draft cache holds context K/V for exactly the committed tokens of each request (the same
+logical indices as the target cache, so one page table serves both). A draft block writes its
+own K/V as scratch past the committed length; the next context injection overwrites them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashtree.attention.sdpa import SdpaBackend
+from flashtree.engine.forward_batch import BatchItem, ForwardBatch, Mode
+from flashtree.kv.cache import KVCache, PageTables
+from flashtree.models.dflash import DFlashDraftModel
+from flashtree.models.llama import DecoderModel
+
+
+@dataclass(frozen=True)
+class ContextRows:
+    """Features of tokens [start, start + features.shape[0]) of one request, to inject."""
+
+    seq_id: int
+    start: int
+    features: torch.Tensor  # [n, len(target_layer_ids) * hidden]
+
+
+class DFlashProposer:
+    def __init__(
+        self, draft: DFlashDraftModel, target: DecoderModel, pages: PageTables,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        self.draft, self.target, self.pages = draft, target, pages
+        cfg = draft.cfg
+        self.block_size = cfg.block_size
+        self.mask_token_id = cfg.mask_token_id
+        attn = draft.layers[0].self_attn
+        self.cache = KVCache(
+            len(draft.layers), pages.num_pages, pages.page_size, attn.num_kv_heads, attn.head_dim,
+            dtype, device,
+        )
+        self.device = device
+        # One backend per distinct mask kind (full layers: bidirectional in the block;
+        # sliding layers: causal and windowed), shared by the layers of that kind.
+        kinds = sorted(set(zip(cfg.layer_causal, cfg.layer_windows)), key=str)
+        self._backends = {kind: SdpaBackend(self.cache) for kind in kinds}
+        self._layer_backends = [
+            self._backends[kind] for kind in zip(cfg.layer_causal, cfg.layer_windows)
+        ]
+
+    @torch.inference_mode()
+    def inject(self, rows: list[ContextRows]) -> None:
+        """Append context K/V of newly committed tokens to the draft cache."""
+        if not rows:
+            return
+        features = torch.cat([r.features for r in rows])
+        positions = torch.cat([
+            torch.arange(r.start, r.start + r.features.shape[0], device=self.device) for r in rows
+        ])
+        slots = torch.tensor(
+            [s for r in rows for s in self.pages.slots(r.seq_id, r.start, r.features.shape[0])],
+            dtype=torch.long, device=self.device,
+        )
+        for layer, (k, v) in enumerate(self.draft.context_kv(features, positions)):
+            self.cache.write(layer, slots, k, v)
+
+    def propose(self, blocks: list[tuple[int, int, int, int]]) -> list[list[int]]:
+        """Greedy draft tokens (argmax at slots 1..b-1) for each block of `draft_logits`."""
+        tokens = self.draft_logits(blocks).argmax(dim=-1).tolist()
+        out, pos = [], 0
+        for _, _, _, b in blocks:
+            out.append(tokens[pos : pos + b - 1])
+            pos += b - 1
+        return out
+
+    @torch.inference_mode()
+    def draft_logits(self, blocks: list[tuple[int, int, int, int]]) -> torch.Tensor:
+        """For each (seq_id, committed_len n, bonus token, block size b >= 2) run
+        `[bonus, mask x (b-1)]` at positions n..n+b-1 through the drafter; return float32 logits
+        of slots 1..b-1 of every block, packed: [sum(b - 1), vocab]. Pages for n + b tokens
+        must be reserved."""
+        items = [
+            BatchItem(seq_id, n, [bonus] + [self.mask_token_id] * (b - 1), all_logits=True)
+            for seq_id, n, bonus, b in blocks
+        ]
+        batch = None
+        for (causal, window), backend in self._backends.items():
+            batch = ForwardBatch.build(
+                Mode.DRAFT, items, self.pages, self.device, causal=causal, sliding_window=window
+            )
+            backend.begin_forward(batch.attn)
+        assert batch is not None
+        embeds = self.target.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        hidden = self.draft(embeds, batch.positions, self._layer_backends)
+        # Every row was marked for scoring; drop slot 0 (the bonus) of each block.
+        keep = torch.cat([
+            torch.arange(start + 1, start + len(it.tokens), device=self.device)
+            for start, it in zip(batch.attn.query_start.tolist(), items)
+        ])
+        return self.draft.logits(hidden[keep], self.target.lm_head)
