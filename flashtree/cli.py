@@ -13,6 +13,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
+    p.add_argument("--draft", default=None, help="DFlash drafter directory (z-lab format)")
+    p.add_argument("--spec", default=None, choices=["none", "dflash"],
+                   help="speculative mode (default: dflash with --draft, else none)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="DFlash block size (default: the drafter's)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -56,8 +61,9 @@ def _load(args: argparse.Namespace):
     from flashtree import LLM
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    return LLM(model=args.model, device=args.device, dtype=args.dtype,
-               max_model_len=args.max_model_len, seed=args.seed)
+    return LLM(model=args.model, draft=args.draft, spec=args.spec, block_size=args.block_size,
+               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               seed=args.seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence as SequenceABC
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
 
 import torch
 

@@ -43,7 +43,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stops):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(
+                f"stop must be a non-empty string or a list of them, got {self.stop!r}"
+            )
         self.stop_strings = tuple(stops)
         ids = self.stop_token_ids or []
         if not all(isinstance(i, int) and i >= 0 for i in ids):

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from flashtree.config import SchedulerConfig
-from flashtree.engine.sequence import Sequence, SeqStatus
+from flashtree.engine.sequence import SeqStatus, Sequence
 from flashtree.kv.cache import PageTables
 
 

@@ -15,7 +15,8 @@ class RMSNorm(nn.Module):
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         if loaded.shape != self.weight.shape:
             raise ValueError(
-                f"tensor {name} has shape {tuple(loaded.shape)}, expected {tuple(self.weight.shape)}"
+                f"tensor {name} has shape {tuple(loaded.shape)}, "
+                f"expected {tuple(self.weight.shape)}"
             )
         self.weight.data.copy_(loaded)
 

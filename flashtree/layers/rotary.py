@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from flashtree.config import RopeConfig
 
 

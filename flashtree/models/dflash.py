@@ -78,7 +78,9 @@ class DFlashConfig:
         layer_ids = value("target_layer_ids")
         if layer_ids is None:
             if value("num_target_layers") is None:
-                raise ValueError("drafter config has neither target_layer_ids nor num_target_layers")
+                raise ValueError(
+                    "drafter config has neither target_layer_ids nor num_target_layers"
+                )
             layer_ids = default_target_layer_ids(int(value("num_target_layers")), num_layers)
         mask_id = value("mask_token_id")
         if mask_id is None:

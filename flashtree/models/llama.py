@@ -18,7 +18,6 @@ from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
 from flashtree.layers.norm import RMSNorm
 from flashtree.layers.rotary import RotaryEmbedding, apply_rotary
 
-
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 

@@ -16,7 +16,9 @@ from flashtree.models.llama import DecoderModel
 def read_hf_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json; expected a Hugging Face model dir")
+        raise FileNotFoundError(
+            f"{model_dir} has no config.json; expected a Hugging Face model directory"
+        )
     cfg = json.loads(path.read_text())
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
