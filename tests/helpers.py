@@ -1,21 +1,17 @@
 """Shared test helpers: tiny random checkpoints written by transformers itself (with non-trivial
-biases and norm weights), and a harness that drives flashtree's model through the paged KV cache
-with explicit chunks so that tests can read the logits of every position."""
+biases and norm weights), and a harness that drives flashtree's ModelRunner over the paged KV
+cache with hand-built batches so that tests can read the logits of every position."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
-from flashtree.engine.scheduler import ScheduledChunk
-from flashtree.engine.sequence import Sequence
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.llama import DecoderModel
-from flashtree.sampling import SamplingParams
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -84,10 +80,6 @@ def checkpoint_tensor_names(path: Path) -> set[str]:
     return names
 
 
-def config_json(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())
-
-
 @torch.no_grad()
 def reference_logits(hf_model, tokens: list[int]) -> torch.Tensor:
     """transformers' logits of every position of one unpadded sequence: [len, vocab]."""
@@ -101,68 +93,57 @@ def reference_hidden_states(hf_model, tokens: list[int]) -> tuple[torch.Tensor, 
     return tuple(h[0] for h in out.hidden_states)
 
 
-@dataclass
 class PagedHarness:
-    """flashtree's model over its own paged KV cache, fed chunk lists by hand (the shapes the
-    scheduler produces: whole-prompt prefills, continuation chunks and single-token decodes)."""
+    """flashtree's model behind its ModelRunner over a paged KV cache, fed batches by hand (the
+    shapes the engine produces: whole-prompt prefills, continuation chunks, single-token
+    decodes), with pages handed out one page per sequence in turn so that no sequence's pages
+    are contiguous in the pool."""
 
-    model: DecoderModel
-    page_size: int = 4
-    num_pages: int = 96
-
-    def __post_init__(self) -> None:
-        cfg = self.model.cfg
-        kv_heads = self.model.layers[0].self_attn.num_kv_heads
+    def __init__(
+        self, model: DecoderModel, page_size: int = 4, num_pages: int = 96,
+        capture_layers: tuple[int, ...] = (),
+    ) -> None:
+        cfg = model.cfg
+        weight = model.embed_tokens.weight
+        kv_heads = model.layers[0].self_attn.num_kv_heads
+        self.model = model
+        self.num_pages = num_pages
         self.cache = KVCache(
-            cfg.num_layers, self.num_pages, self.page_size, kv_heads, cfg.head_dim,
-            self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device,
+            cfg.num_layers, num_pages, page_size, kv_heads, cfg.head_dim, weight.dtype,
+            weight.device,
         )
-        self.pages = PageTables(self.num_pages, self.page_size)
-        self.runner = ModelRunner(self.model, self.cache, self.pages)
-        self._next_id = 0
+        self.pages = PageTables(num_pages, page_size)
+        self.runner = ModelRunner(model, self.cache, self.pages, capture_layers)
 
-    def new_seq(self, prompt: list[int]) -> Sequence:
-        seq = Sequence(
-            self._next_id, list(prompt), SamplingParams(temperature=0), torch.Generator(), 1 << 20
-        )
-        self._next_id += 1
-        return seq
+    def reserve_interleaved(self, items: list[BatchItem]) -> None:
+        ends = [it.start + len(it.tokens) for it in items]
+        page = self.pages.page_size
+        for upto in range(page, max(ends) + page, page):
+            for it, end in zip(items, ends):
+                self.pages.reserve(it.seq_id, min(end, upto))
 
-    def reserve_interleaved(self, chunks: list[ScheduledChunk]) -> None:
-        """Reserve pages one page per sequence in turn, so that no sequence's pages are
-        contiguous in the pool."""
-        ends = [c.start + c.count for c in chunks]
-        done = False
-        upto = 0
-        while not done:
-            upto += self.page_size
-            done = True
-            for c, end in zip(chunks, ends):
-                self.pages.reserve(c.seq.seq_id, min(end, upto))
-                done = done and upto >= end
+    def forward(
+        self, mode: Mode, items: list[BatchItem]
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Reserve pages, run one forward through ModelRunner and commit the KV lengths.
+        Returns the scored logits split per item ([rows, vocab] each) and the captured
+        features ([num_tokens, len(capture_layers) * hidden] or None)."""
+        self.reserve_interleaved(items)
+        logits, features = self.runner.forward(mode, items)
+        for it in items:
+            self.pages.set_length(it.seq_id, it.start + len(it.tokens))
+        counts = [
+            (len(it.tokens) if it.all_logits else 1) if it.wants_logits else 0 for it in items
+        ]
+        assert logits.shape[0] == sum(counts), (tuple(logits.shape), counts)
+        return list(logits.split(counts)), features
 
-    @torch.inference_mode()
-    def forward_all(
-        self, chunks: list[ScheduledChunk], capture_layers: tuple[int, ...] = ()
-    ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-        """One forward over `chunks` (pages must be reserved); returns the logits of every new
-        token per chunk ([count, vocab] each) and, per chunk, the captured layer outputs."""
-        ids: list[int] = []
-        positions: list[int] = []
-        for c in chunks:
-            ids += c.seq.token_slice(c.start, c.start + c.count)
-            positions += range(c.start, c.start + c.count)
-        meta = self.runner.build_metadata(chunks)
-        self.runner.backend.begin_forward(meta)
-        hidden, captured = self.model(
-            torch.tensor(ids), torch.tensor(positions), self.runner.backend, capture_layers
-        )
-        logits = self.model.compute_logits(hidden)
-        for c in chunks:
-            c.seq.num_computed = c.start + c.count
-            self.pages.set_length(c.seq.seq_id, c.seq.num_computed)
-        sizes = [c.count for c in chunks]
-        per_chunk_captured = [list(parts) for parts in zip(*(t.split(sizes) for t in captured))]
-        if not capture_layers:
-            per_chunk_captured = [[] for _ in chunks]
-        return list(logits.split(sizes)), per_chunk_captured
+    def prefill_all_logits(
+        self, prompts: list[list[int]], first_id: int = 0
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Prefill `prompts` (sequence ids first_id, first_id + 1, ...) in ONE forward and
+        return the logits of every position of each."""
+        items = [
+            BatchItem(first_id + i, 0, list(p), all_logits=True) for i, p in enumerate(prompts)
+        ]
+        return self.forward(Mode.PREFILL, items)

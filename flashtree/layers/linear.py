@@ -18,6 +18,13 @@ def _copy_checked(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
     param.data.copy_(loaded)
 
 
+def _check_full_shape(loaded: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
+    """A checkpoint tensor must have the full (unsharded) shape before this rank narrows it;
+    narrowing first would silently drop extra rows/columns or fail on missing ones."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"tensor {name} has shape {tuple(loaded.shape)}, expected {expected}")
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W split along the output dimension; optionally several logical
     outputs stacked in one matrix (q/k/v or gate/up), each sharded on its own."""
@@ -35,9 +42,10 @@ class ColumnParallelLinear(nn.Module):
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         """Copy this rank's rows of logical output `shard` from the full tensor `loaded`."""
         size, offset = self.shard_sizes[shard], self.shard_offsets[shard]
-        rows = loaded.narrow(0, get_tp_rank() * size, size)
         target = self.weight if loaded.dim() == 2 else self.bias
         assert target is not None, f"{name}: checkpoint has a bias this layer does not"
+        _check_full_shape(loaded, (size * get_tp_size(), *target.shape[1:]), name)
+        rows = loaded.narrow(0, get_tp_rank() * size, size)
         _copy_checked(target.data.narrow(0, offset, size), rows, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +68,7 @@ class RowParallelLinear(nn.Module):
             assert self.bias is not None, f"{name}: checkpoint has a bias this layer does not"
             _copy_checked(self.bias, loaded, name)
             return
+        _check_full_shape(loaded, (self.weight.shape[0], self.in_shard * get_tp_size()), name)
         cols = loaded.narrow(1, get_tp_rank() * self.in_shard, self.in_shard)
         _copy_checked(self.weight, cols, name)
 

@@ -22,6 +22,8 @@ from flashtree.config import ModelConfig
 # loader; other architectures are refused rather than loaded on an unverified name mapping.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
+_CACHE_FORMAT_VERSION = 1
+
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -49,7 +51,9 @@ def gguf_cache_dir(path: Path) -> Path:
     """Cache folder of one GGUF file, keyed by its name, size and modification time."""
     root = Path(os.environ.get("FLASHTREE_CACHE", Path.home() / ".cache" / "flashtree"))
     stat = path.stat()
-    return root / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    # The version changes whenever the conversion does, so stale conversions are never read.
+    key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_CACHE_FORMAT_VERSION}"
+    return root / "gguf" / key
 
 
 def gguf_hf_config(reader) -> dict:

@@ -151,7 +151,7 @@ class DecoderModel(nn.Module):
             loaded.add(name)
         if unknown:
             raise ValueError(f"checkpoint has tensors this model does not know: {sorted(unknown)}")
-        missing = sorted(expected - loaded)
+        missing = sorted(n if n == "lm_head.weight" else f"model.{n}" for n in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing}")
 

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from flashtree import LLM, SamplingParams
+from flashtree import SamplingParams
 
 GREEDY = dict(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(model="default", device="cpu", max_model_len=256)
+def llm(default_llm):
+    return default_llm
 
 
 def test_chat_applies_template_and_stops_on_eos(llm):

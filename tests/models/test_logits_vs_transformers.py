@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flashtree.config import ModelConfig
-from flashtree.engine.scheduler import ScheduledChunk
+from flashtree.engine.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.layers.rotary import rope_inv_freq
 from flashtree.models.llama import DecoderModel
 from flashtree.models.loader import load_hf_model
@@ -109,11 +109,13 @@ def test_checkpoint_exercises_the_feature(case: Case):
         assert [s.name for s in shards] == ["model.safetensors"]
     if case.arch == "qwen2" or case.overrides.get("attention_bias"):
         bias = case.model.layers[1].self_attn.qkv_proj.bias
+        ref_attn = case.hf.model.layers[1].self_attn
+        ref_bias = torch.cat([ref_attn.q_proj.bias, ref_attn.k_proj.bias, ref_attn.v_proj.bias])
         assert bias is not None and bias.abs().min() > 0
-        assert torch.equal(bias, torch.cat([
-            getattr(case.hf.model.layers[1].self_attn, p).bias for p in ("q_proj", "k_proj",
-                                                                         "v_proj")
-        ]))
+        assert torch.equal(bias, ref_bias)
+    if case.overrides.get("attention_bias"):
+        assert case.model.layers[1].self_attn.o_proj.bias is not None
+        assert case.model.layers[1].mlp.down_proj.bias is not None
     if case.arch == "qwen3":
         assert case.cfg.qk_norm and case.cfg.head_dim * case.cfg.num_heads != case.cfg.hidden_size
         q_norm = case.model.layers[0].self_attn.q_norm.weight
@@ -143,107 +145,108 @@ def test_batched_prefill_logits_every_position(case: Case):
     original context of 32) prefilled in ONE forward over non-contiguous pages."""
     prompts = _prompts([41, 7, 1, 23], seed=1)
     h = PagedHarness(case.model, page_size=4)
-    chunks = [ScheduledChunk(h.new_seq(p), 0, len(p)) for p in prompts]
-    h.reserve_interleaved(chunks)
+    logits, features = h.prefill_all_logits(prompts)
+    assert features is None
     table = h.pages.table(0)
     assert any(b != a + 1 for a, b in zip(table, table[1:])), table
-    logits, _ = h.forward_all(chunks)
     for i, p in enumerate(prompts):
         _assert_logits_close(logits[i], reference_logits(case.hf, p), f"prompt {i} (len {len(p)})")
 
 
 def test_decode_steps_through_paged_cache(case: Case):
-    """Prefill through ModelRunner.forward (last-token logits), then decode steps whose logits
-    equal transformers' logits of the whole sequence. One sequence finishes early and its freed
-    pages (still holding its stale K/V) are reused by the others."""
+    """Prefill (last-token logits only, as the engine asks), then single-token decode steps
+    whose logits equal transformers' logits of the whole sequence. One sequence finishes early
+    and its freed pages (still holding its stale K/V) are reused by the others."""
     prompts = _prompts([30, 9, 17], seed=2)
     steps = [12, 4, 12]  # decode steps per sequence
     rng = random.Random(3)
-    freed: list[int] = []
     h = PagedHarness(case.model, page_size=4)
-    seqs = [h.new_seq(p) for p in prompts]
-    chunks = [ScheduledChunk(s, 0, s.num_tokens) for s in seqs]
-    h.reserve_interleaved(chunks)
-    ours: list[list[torch.Tensor]] = [[row] for row in h.runner.forward(chunks)]
+    tokens = [list(p) for p in prompts]
+    logits, _ = h.forward(Mode.PREFILL, [BatchItem(i, 0, list(p)) for i, p in enumerate(prompts)])
+    ours = [[row[0]] for row in logits]
 
+    freed: list[int] = []
     for step in range(max(steps)):
-        live = [s for s, n in zip(seqs, steps) if step < n]
-        for s, n in zip(seqs, steps):
+        for i, n in enumerate(steps):
             if step == n:
-                freed += h.pages.table(s.seq_id)
-                h.pages.free(s.seq_id)
-        for s in live:
-            s.output_ids.append(rng.randrange(case.cfg.vocab_size))
-            h.pages.reserve(s.seq_id, s.num_tokens)
-        out = h.runner.forward([ScheduledChunk(s, s.num_computed, 1) for s in live])
-        assert out.shape == (len(live), case.cfg.vocab_size)
-        for s, row in zip(live, out):
-            ours[s.seq_id].append(row)
+                freed += h.pages.table(i)
+                h.pages.free(i)
+        live = [i for i, n in enumerate(steps) if step < n]
+        items = []
+        for i in live:
+            tokens[i].append(rng.randrange(case.cfg.vocab_size))
+            items.append(BatchItem(i, len(tokens[i]) - 1, tokens[i][-1:]))
+        logits, _ = h.forward(Mode.DECODE, items)
+        for i, rows in zip(live, logits):
+            assert rows.shape == (1, case.cfg.vocab_size)
+            ours[i].append(rows[0])
 
     # The early finisher's pages went back to the pool and were handed to the others.
     assert set(freed) & set(h.pages.table(0) + h.pages.table(2)), freed
-    for s, n in zip(seqs, steps):
-        full = s.prompt_ids + s.output_ids
-        assert len(full) == len(s.prompt_ids) + n
-        ref = reference_logits(case.hf, full)[len(s.prompt_ids) - 1:]
-        _assert_logits_close(torch.stack(ours[s.seq_id]), ref, f"sequence {s.seq_id}")
+    for i, (p, n) in enumerate(zip(prompts, steps)):
+        assert len(tokens[i]) == len(p) + n
+        ref = reference_logits(case.hf, tokens[i])[len(p) - 1:]
+        _assert_logits_close(torch.stack(ours[i]), ref, f"sequence {i}")
 
 
 def test_mixed_chunks_in_one_forward(case: Case):
     """One forward that mixes a decode token, a continuation chunk of a partly prefilled prompt
     (context + several new tokens) and a fresh prompt."""
     a, b, c = _prompts([13, 25, 6], seed=4)
+    a = a + [5]
     h = PagedHarness(case.model, page_size=4)
-    sa, sb, sc = h.new_seq(a), h.new_seq(b), h.new_seq(c)
-    first = [ScheduledChunk(sa, 0, 13), ScheduledChunk(sb, 0, 10)]
-    h.reserve_interleaved(first)
-    logits_first, _ = h.forward_all(first)
-
-    sa.output_ids.append(5)
-    second = [ScheduledChunk(sc, 0, 6), ScheduledChunk(sb, 10, 15), ScheduledChunk(sa, 13, 1)]
-    h.reserve_interleaved(second)
-    logits_second, _ = h.forward_all(second)
-
-    ref_a = reference_logits(case.hf, a + [5])
-    ref_b = reference_logits(case.hf, b)
-    _assert_logits_close(logits_first[0], ref_a[:13], "a prefill")
-    _assert_logits_close(logits_first[1], ref_b[:10], "b first chunk")
-    _assert_logits_close(logits_second[0], reference_logits(case.hf, c), "c prefill")
-    _assert_logits_close(logits_second[1], ref_b[10:], "b second chunk")
-    _assert_logits_close(logits_second[2], ref_a[13:], "a decode")
+    first, _ = h.forward(
+        Mode.PREFILL, [BatchItem(0, 0, a[:13], all_logits=True),
+                       BatchItem(1, 0, b[:10], all_logits=True)],
+    )
+    second, _ = h.forward(
+        Mode.PREFILL, [BatchItem(2, 0, c, all_logits=True),
+                       BatchItem(1, 10, b[10:], all_logits=True),
+                       BatchItem(0, 13, a[13:], all_logits=True)],
+    )
+    ref_a, ref_b = reference_logits(case.hf, a), reference_logits(case.hf, b)
+    _assert_logits_close(first[0], ref_a[:13], "a prefill")
+    _assert_logits_close(first[1], ref_b[:10], "b first chunk")
+    _assert_logits_close(second[0], reference_logits(case.hf, c), "c prefill")
+    _assert_logits_close(second[1], ref_b[10:], "b second chunk")
+    _assert_logits_close(second[2], ref_a[13:], "a decode")
 
 
 def test_captured_hidden_states_match_transformers(case: Case):
     """capture_layers=(0, 2) returns the OUTPUT of decoder layers 0 and 2, which transformers
-    reports as hidden_states[1] and hidden_states[3]; the returned final hidden is normed."""
+    reports as hidden_states[1] and hidden_states[3], for every token of a batched prefill."""
     assert case.cfg.num_layers == 4  # layer 2 is not the last: hidden_states[3] is un-normed
+    hidden = case.cfg.hidden_size
     prompts = _prompts([19, 5, 33], seed=5)
-    h = PagedHarness(case.model, page_size=4)
-    chunks = [ScheduledChunk(h.new_seq(p), 0, len(p)) for p in prompts]
-    h.reserve_interleaved(chunks)
-    with torch.inference_mode():
-        meta = h.runner.build_metadata(chunks)
-        h.runner.backend.begin_forward(meta)
-        ids = torch.tensor([t for p in prompts for t in p])
-        positions = torch.tensor([i for p in prompts for i in range(len(p))])
-        hidden, captured = case.model(ids, positions, h.runner.backend, capture_layers=(0, 2))
-    assert len(captured) == 2
     sizes = [len(p) for p in prompts]
-    for i, p in enumerate(prompts):
-        ref = reference_hidden_states(case.hf, p)
-        assert len(ref) == 5
-        for layer, ours in zip((0, 2), captured):
+    h = PagedHarness(case.model, page_size=4, capture_layers=(0, 2))
+    logits, features = h.prefill_all_logits(prompts)
+    assert features is not None and features.shape == (sum(sizes), 2 * hidden)
+    refs = [reference_hidden_states(case.hf, p) for p in prompts]
+    for i, (ref, feats) in enumerate(zip(refs, features.split(sizes))):
+        assert len(ref) == case.cfg.num_layers + 1
+        for j, layer in enumerate((0, 2)):
             torch.testing.assert_close(
-                ours.split(sizes)[i], ref[layer + 1], atol=ATOL, rtol=1e-4,
+                feats[:, j * hidden:(j + 1) * hidden], ref[layer + 1], atol=ATOL, rtol=1e-4,
                 msg=lambda m, i=i, layer=layer: f"prompt {i}, layer {layer}: {m}",
             )
-        torch.testing.assert_close(hidden.split(sizes)[i], ref[-1], atol=ATOL, rtol=1e-4)
-        # A mix-up between layers would still pass if consecutive layers were nearly equal.
+        _assert_logits_close(logits[i], reference_logits(case.hf, prompts[i]), f"prompt {i}")
+        # A layer mix-up would pass unnoticed if consecutive layers were nearly equal.
         assert (ref[1] - ref[3]).abs().max() > 100 * ATOL
 
-    # The order of capture_layers is the order of the returned list.
+    # The model itself: captured outputs come back in the order asked for, and its returned
+    # hidden state is the final-normed one (transformers' last hidden_states entry).
+    batch = ForwardBatch.build(
+        Mode.PREFILL, [BatchItem(i, 0, p) for i, p in enumerate(prompts)], h.pages,
+        torch.device("cpu"),
+    )
     with torch.inference_mode():
-        h.runner.backend.begin_forward(meta)
-        _, swapped = case.model(ids, positions, h.runner.backend, capture_layers=(2, 0))
-    torch.testing.assert_close(swapped[0], captured[1], atol=1e-6, rtol=0)
-    torch.testing.assert_close(swapped[1], captured[0], atol=1e-6, rtol=0)
+        h.runner.backend.begin_forward(batch.attn)
+        final, captured = case.model(
+            batch.input_ids, batch.positions, h.runner.backend, capture_layers=(2, 0)
+        )
+    assert len(captured) == 2
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(captured[0].split(sizes)[i], ref[3], atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(captured[1].split(sizes)[i], ref[1], atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(final.split(sizes)[i], ref[-1], atol=ATOL, rtol=1e-4)
