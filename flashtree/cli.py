@@ -14,10 +14,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
     p.add_argument("--draft", default=None, help="DFlash drafter directory (z-lab format)")
-    p.add_argument("--spec", default=None, choices=["none", "dflash"],
-                   help="speculative mode (default: dflash with --draft, else none)")
+    p.add_argument("--spec", default=None, choices=["none", "dflash", "ddtree"],
+                   help="speculative mode (default: ddtree with --draft, else none)")
     p.add_argument("--block-size", type=int, default=None,
                    help="DFlash block size (default: the drafter's)")
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="DDTree non-root nodes per step (default: block size - 1)")
+    p.add_argument("--topk-cap", type=int, default=None,
+                   help="DDTree: most children considered per node (speed only)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -62,6 +66,7 @@ def _load(args: argparse.Namespace):
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     return LLM(model=args.model, draft=args.draft, spec=args.spec, block_size=args.block_size,
+               tree_budget=args.tree_budget, topk_cap=args.topk_cap,
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                seed=args.seed)
 

@@ -18,7 +18,7 @@ from flashtree.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
-SPEC_MODES = ("none", "dflash")
+SPEC_MODES = ("none", "dflash", "ddtree")
 
 
 class LLM:
@@ -43,21 +43,23 @@ class LLM:
         max_num_batched_tokens: int = 1024,
     ) -> None:
         if spec is None:
-            # DDTree becomes the default with a drafter once it lands; DFlash chains until then.
-            spec = "none" if draft is None else "dflash"
+            spec = "none" if draft is None else "ddtree"
         if spec not in SPEC_MODES:
             raise ValueError(f"spec={spec!r} is not supported; allowed: {list(SPEC_MODES)}")
         if spec != "none" and draft is None:
             raise ValueError(f"spec={spec!r} needs a drafter: pass draft='/path/to/dflash_dir'")
-        if block_size is not None and (spec == "none" or block_size < 1):
+        if block_size is not None and (spec == "none" or block_size < 2):
             raise ValueError(
-                f"block_size={block_size} needs spec='dflash' and must be >= 1"
+                f"block_size={block_size} needs spec='dflash' or 'ddtree' and must be >= 2"
             )
+        for name, value in (("tree_budget", tree_budget), ("topk_cap", topk_cap)):
+            if value is not None and (spec != "ddtree" or value < 1):
+                raise ValueError(f"{name}={value} needs spec='ddtree' and must be >= 1")
         if tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} is not supported yet; allowed: 1"
             )
-        del tree_budget, topk_cap, enforce_eager  # used by later modes
+        del enforce_eager  # CUDA graphs come with the GPU fast path
         self.spec = spec
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(dtype, self.device)
@@ -81,7 +83,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
         )
         cache = CacheConfig(page_size=page_size, num_pages=kv_cache_pages)
-        args = EngineArgs(self.device, self.dtype, sched, cache, seed, block_size)
+        args = EngineArgs(self.device, self.dtype, sched, cache, seed, block_size, spec,
+                          tree_budget, topk_cap)
         self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args, self.drafter)
 
     # ----------------------------------------------------------------- generation

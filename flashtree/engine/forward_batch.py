@@ -27,6 +27,10 @@ class BatchItem:
     tokens: list[int]
     all_logits: bool = False  # score every row (verify) instead of only the last
     wants_logits: bool = True
+    # Tree verification: explicit positions (committed length + depth; siblings share one) and
+    # visibility among the new tokens ([n, n] bool, ancestor-or-self). None: a causal chain.
+    positions: list[int] | None = None
+    visible: torch.Tensor | None = None
 
 
 @dataclass
@@ -55,7 +59,9 @@ class ForwardBatch:
             assert n > 0, f"{mode.value}: request {it.seq_id} has no tokens"
             first = len(ids)
             ids += it.tokens
-            positions += range(it.start, it.start + n)
+            positions += it.positions if it.positions is not None else range(
+                it.start, it.start + n
+            )
             slots += pages.slots(it.seq_id, it.start, n)
             scored = range(first, first + n) if it.all_logits else [first + n - 1]
             scored = scored if it.wants_logits else []
@@ -69,13 +75,28 @@ class ForwardBatch:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
+        max_q = max(len(it.tokens) for it in items)
+        new_token_mask = None
+        if any(it.visible is not None for it in items):
+            causal = torch.ones(max_q, max_q, dtype=torch.bool, device=device).tril()
+            new_token_mask = causal.repeat(len(items), 1, 1)  # [num_seqs, max_q, max_q]
+            for i, it in enumerate(items):
+                if it.visible is not None:
+                    n = len(it.tokens)
+                    assert it.visible.shape == (n, n), (
+                        f"{mode.value}: request {it.seq_id} visibility "
+                        f"{tuple(it.visible.shape)} for {n} tokens"
+                    )
+                    new_token_mask[i, :n, :n] = it.visible
+
         attn = AttentionMetadata(
             query_start=tensor(starts),
             kv_lens=tensor(kv_lens),
             slot_mapping=tensor(slots),
             page_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
-            max_query_len=max(len(it.tokens) for it in items),
+            max_query_len=max_q,
             max_kv_len=max(kv_lens),
+            new_token_mask=new_token_mask,
             causal=causal,
             sliding_window=sliding_window,
         )

@@ -18,7 +18,8 @@ from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
 from flashtree.sampling import SamplingParams, sample_token
 from flashtree.spec.dflash import ContextRows, DFlashProposer
-from flashtree.spec.verify import walk_chain
+from flashtree.spec.tree import build_trees
+from flashtree.spec.verify import Candidates, walk
 from flashtree.tokenizer import Tokenizer
 
 
@@ -30,6 +31,9 @@ class EngineArgs:
     cache: CacheConfig
     seed: int = 0
     block_size: int | None = None  # speculative block (default: the drafter's)
+    spec: str = "none"  # "none" | "dflash" (chain) | "ddtree" (tree)
+    tree_budget: int | None = None  # DDTree non-root nodes (default: block_size - 1)
+    topk_cap: int | None = None  # DDTree: children considered per node
 
 
 class LLMEngine:
@@ -66,7 +70,14 @@ class LLMEngine:
             self.proposer = DFlashProposer(drafter, model, self.pages, args.dtype, args.device)
             self.block_size = args.block_size or drafter.cfg.block_size
             capture = drafter.cfg.target_layer_ids
-        self.scheduler = Scheduler(args.scheduler, self.pages, lookahead=self.block_size - 1)
+        self.tree_budget = args.tree_budget or self.block_size - 1
+        # Tokens a speculative step writes past the committed ones: the draft block and the
+        # verified candidates (a chain of block_size, or a tree of tree_budget + 1 nodes).
+        if args.spec == "ddtree":
+            self.lookahead = max(self.block_size, self.tree_budget + 1) - 1
+        else:
+            self.lookahead = self.block_size - 1
+        self.scheduler = Scheduler(args.scheduler, self.pages, lookahead=self.lookahead)
         self.runner = ModelRunner(model, self.cache, self.pages, capture)
         self._ids = itertools.count()
         eos = set(model_cfg.eos_token_ids)
@@ -93,9 +104,10 @@ class LLMEngine:
         total = max_len if params.max_tokens is None else min(
             max_len, len(prompt_ids) + params.max_tokens
         )
-        if self.args.cache.pages_for(total) > self.pages.num_pages:
+        if self.args.cache.pages_for(total + self.lookahead) > self.pages.num_pages:
             raise ValueError(
-                f"request needs {total} tokens of KV cache but the pool holds only "
+                f"request needs {total + self.lookahead} tokens of KV cache (prompt, max_tokens "
+                f"and {self.lookahead} speculative) but the pool holds only "
                 f"{self.pages.num_pages * self.args.cache.page_size}; lower max_tokens"
             )
         seed = params.seed if params.seed is not None else hash((self.args.seed, seq_id))
@@ -148,45 +160,72 @@ class LLMEngine:
         return [c.seq for c in sampling]
 
     def _speculative_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
-        """Draft one block per request, verify all blocks in one target forward, commit the
-        accepted prefix plus the target's next token."""
+        """Draft one block per request, verify every request's candidates (chain or tree) in
+        one target forward, commit the accepted path plus the target's next token."""
         assert self.proposer is not None
         seqs = [c.seq for c in chunks]
-        # Block b = min(B, room left): the last blocks of a request shrink, as the reference's do.
-        sizes = [min(self.block_size, s.max_total_len - s.num_computed) for s in seqs]
-        bonuses = [s.output_ids[-1] for s in seqs]
-        to_draft = [(s.seq_id, s.num_computed, t, b)
-                    for s, t, b in zip(seqs, bonuses, sizes) if b > 1]
-        proposed = iter(self.proposer.propose(to_draft) if to_draft else [])
-        drafts = [next(proposed) if b > 1 else [] for b in sizes]
-        items = [BatchItem(s.seq_id, s.num_computed, [t] + d, all_logits=True)
-                 for s, t, d in zip(seqs, bonuses, drafts)]
+        if self.args.spec == "ddtree":
+            candidates = self._propose_trees(seqs)
+        else:
+            candidates = self._propose_chains(seqs)
+        items = [
+            BatchItem(s.seq_id, s.num_computed, c.tokens, all_logits=True,
+                      positions=c.positions, visible=c.visible)
+            for s, c in zip(seqs, candidates)
+        ]
         logits, features = self.runner.forward(Mode.VERIFY, items)
+        assert features is not None
         greedy_rows = None
         if all(s.params.greedy and not s.params.has_penalties for s in seqs):
             greedy_rows = logits.argmax(dim=-1).tolist()  # one device sync for the batch
-        injected, committed, row = [], [], 0
-        for seq, d in zip(seqs, drafts):
+        injected, committed, base = [], [], 0
+        for seq, cand in zip(seqs, candidates):
             if greedy_rows is not None:
-                base = row
-                new = walk_chain(d, lambda j, _prev, base=base: greedy_rows[base + j])
+                path, new = walk(cand.children,
+                                 lambda v, _prev, base=base: greedy_rows[base + v])
             else:
-                new = walk_chain(d, self._row_sampler(seq, logits, row))
+                path, new = walk(cand.children, self._row_sampler(seq, logits, base))
             start = seq.num_computed
-            seq.num_computed = start + len(new)  # bonus + accepted drafts now hold KV
-            self.pages.set_length(seq.seq_id, seq.num_computed)
-            assert features is not None
-            injected.append(ContextRows(seq.seq_id, start, features[row : row + len(new)]))
+            # The accepted nodes' KV moves to logical indices start.., the rest is dropped.
+            self.pages.keep(self.cache, seq.seq_id, start, path)
+            seq.num_computed = start + len(path)
+            rows = torch.tensor(path, device=features.device) + base
+            injected.append(ContextRows(seq.seq_id, start, features[rows]))
             committed.append(new)
-            row += len(d) + 1
+            base += len(cand.tokens)
         self.proposer.inject(injected)
         for seq, new in zip(seqs, committed):
             self._append(seq, new, record=True)
         return seqs
 
+    def _propose_chains(self, seqs: list[Sequence]) -> list[Candidates]:
+        assert self.proposer is not None
+        # Block b = min(B, room left): the last blocks of a request shrink, as the reference's do.
+        sizes = [min(self.block_size, s.max_total_len - s.num_computed) for s in seqs]
+        to_draft = [(s.seq_id, s.num_computed, s.output_ids[-1], b)
+                    for s, b in zip(seqs, sizes) if b > 1]
+        proposed = iter(self.proposer.propose(to_draft) if to_draft else [])
+        return [Candidates.chain(s.output_ids[-1], next(proposed) if b > 1 else [])
+                for s, b in zip(seqs, sizes)]
+
+    def _propose_trees(self, seqs: list[Sequence]) -> list[Candidates]:
+        assert self.proposer is not None
+        b = self.block_size
+        logits = self.proposer.draft_logits(
+            [(s.seq_id, s.num_computed, s.output_ids[-1], b) for s in seqs]
+        ).view(len(seqs), b - 1, -1)  # [R, L, V]
+        roots = torch.tensor([s.output_ids[-1] for s in seqs])
+        trees = build_trees(logits, roots, self.tree_budget, self.args.topk_cap)
+        tokens, parents, depths = (trees.tokens.tolist(), trees.parent.tolist(),
+                                   trees.depth.tolist())
+        return [
+            Candidates.tree(tokens[i], parents[i], depths[i], s.num_computed, trees.visible[i])
+            for i, s in enumerate(seqs)
+        ]
+
     def _row_sampler(self, seq: Sequence, logits: torch.Tensor, first_row: int):
-        def target_token(j: int, committed: list[int]) -> int:
-            return sample_token(logits[first_row + j], seq.params, seq.generator,
+        def target_token(node: int, committed: list[int]) -> int:
+            return sample_token(logits[first_row + node], seq.params, seq.generator,
                                 seq.prompt_ids, seq.output_ids + committed)
         return target_token
 

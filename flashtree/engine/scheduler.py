@@ -86,7 +86,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted by an earlier sequence of this loop
             assert seq.num_uncomputed == 1, f"seq {seq.seq_id}: decode with unfinished prefill"
-            if self._reserve(seq, min(seq.num_tokens + self.lookahead, seq.max_total_len)):
+            if self._reserve(seq, seq.num_tokens + self.lookahead):
                 chunks.append(ScheduledChunk(seq, seq.num_computed, 1, decode=True))
         return chunks
 

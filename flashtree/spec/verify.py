@@ -1,24 +1,59 @@
-"""Chain verification: walk the drafted tokens with the target's own decision."""
+"""Candidates for one verify forward (a chain or a tree) and the walk that accepts them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 
-def walk_chain(drafts: list[int], target_token: Callable[[int, list[int]], int]) -> list[int]:
-    """Tokens committed by verifying `[bonus, *drafts]` in one forward.
+@dataclass
+class Candidates:
+    """One request's verify input: node 0 is the root (the bonus token), node order is
+    topological. `children[v]` maps a token to the child of v that carries it."""
 
-    `target_token(j, committed_so_far)` is the target's decision at verify row j (greedy argmax or
-    a sample drawn with the request's own generator, after penalties that see the tokens
-    committed so far). Row j predicts the token after drafts[:j]; the walk follows the drafts
-    while they equal the target's decision, so every committed token IS the target's decision
-    and the result is distributed exactly as plain decoding (one draw per committed token).
-    Returns 1..len(drafts)+1 tokens: the accepted drafts plus the target's next token."""
-    out: list[int] = []
-    for j, draft in enumerate(drafts):
-        token = target_token(j, out)
+    tokens: list[int]  # [n] node tokens
+    children: list[dict[int, int]]
+    positions: list[int] | None = None  # [n] committed length + depth; None: a chain
+    visible: torch.Tensor | None = None  # [n, n] ancestor-or-self mask; None: causal chain
+
+    @staticmethod
+    def chain(bonus: int, drafts: list[int]) -> Candidates:
+        children = [{d: j + 1} for j, d in enumerate(drafts)] + [{}]
+        return Candidates([bonus, *drafts], children)
+
+    @staticmethod
+    def tree(
+        tokens: list[int], parents: list[int], depths: list[int], start: int,
+        visible: torch.Tensor,
+    ) -> Candidates:
+        children: list[dict[int, int]] = [{} for _ in tokens]
+        for node in range(1, len(tokens)):
+            assert parents[node] < node, f"node {node} has parent {parents[node]}: not topological"
+            assert tokens[node] not in children[parents[node]], f"duplicate sibling at {node}"
+            children[parents[node]][tokens[node]] = node
+        return Candidates(tokens, children, [start + d for d in depths], visible)
+
+
+def walk(
+    children: list[dict[int, int]], target_token: Callable[[int, list[int]], int]
+) -> tuple[list[int], list[int]]:
+    """Accept candidates with the target's own decision.
+
+    `target_token(v, committed_so_far)` is the target's decision at node v: greedy argmax, or a
+    sample drawn with the request's generator after penalties that see the committed context
+    plus the path so far. From the root, follow the child carrying that token; stop at the
+    first node without one. Every committed token IS the target's decision at its node, so the
+    output is distributed exactly as plain decoding (sample-and-match: one draw per committed
+    token, never min(1, p/q)). Returns (accepted nodes, root first, ascending; committed tokens:
+    the accepted nodes' children tokens plus the bonus at the deepest accepted node)."""
+    node, path, out = 0, [0], []
+    while True:
+        token = target_token(node, out)
         out.append(token)
-        if token != draft:
-            return out
-    out.append(target_token(len(drafts), out))
-    return out
+        child = children[node].get(token)
+        if child is None:
+            return path, out
+        path.append(child)
+        node = child
