@@ -10,6 +10,7 @@ import torch
 from flashtree.config import CacheConfig, SchedulerConfig, parse_dtype
 from flashtree.engine.llm_engine import EngineArgs, LLMEngine
 from flashtree.engine.sequence import Sequence
+from flashtree.engine.speculative import TREE_SAMPLING_MODES
 from flashtree.models.dflash import load_dflash_drafter
 from flashtree.models.registry import load_model, resolve_model_path
 from flashtree.outputs import CompletionOutput, RequestOutput
@@ -38,6 +39,7 @@ class LLM:
         skip_tokenizer_init: bool = False,
         seed: int = 0,
         enforce_eager: bool = False,
+        tree_sampling: str = "match",
         page_size: int = 16,
         kv_cache_pages: int | None = None,
         max_num_batched_tokens: int = 1024,
@@ -55,6 +57,11 @@ class LLM:
         for name, value in (("tree_budget", tree_budget), ("topk_cap", topk_cap)):
             if value is not None and (spec != "ddtree" or value < 1):
                 raise ValueError(f"{name}={value} needs spec='ddtree' and must be >= 1")
+        if tree_sampling not in TREE_SAMPLING_MODES:
+            raise ValueError(
+                f"tree_sampling={tree_sampling!r} is not supported; allowed: "
+                f"{list(TREE_SAMPLING_MODES)}"
+            )
         if tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} is not supported yet; allowed: 1"
@@ -84,7 +91,7 @@ class LLM:
         )
         cache = CacheConfig(page_size=page_size, num_pages=kv_cache_pages)
         args = EngineArgs(self.device, self.dtype, sched, cache, seed, block_size, spec,
-                          tree_budget, topk_cap)
+                          tree_budget, topk_cap, tree_sampling)
         self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args, self.drafter)
 
     # ----------------------------------------------------------------- generation

@@ -113,6 +113,17 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def target_distribution(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """What plain decoding samples from after `output_ids`: penalties, then temperature,
+    top-k, top-p, min-p. For greedy requests, a one-hot at the argmax. logits: [vocab]."""
+    logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+    return probabilities(logits, params)
+
+
 def sample_token(
     logits: torch.Tensor,
     params: SamplingParams,

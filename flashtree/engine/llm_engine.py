@@ -13,13 +13,12 @@ from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.scheduler import ScheduledChunk, Scheduler
 from flashtree.engine.sequence import Sequence
+from flashtree.engine.speculative import SpecConfig, SpeculativeDecoder
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
 from flashtree.sampling import SamplingParams, sample_token
 from flashtree.spec.dflash import ContextRows, DFlashProposer
-from flashtree.spec.tree import build_trees
-from flashtree.spec.verify import Candidates, walk
 from flashtree.tokenizer import Tokenizer
 
 
@@ -34,6 +33,7 @@ class EngineArgs:
     spec: str = "none"  # "none" | "dflash" (chain) | "ddtree" (tree)
     tree_budget: int | None = None  # DDTree non-root nodes (default: block_size - 1)
     topk_cap: int | None = None  # DDTree: children considered per node
+    tree_sampling: str = "match"  # temperature > 0: "match" | "rrs"
 
 
 class LLMEngine:
@@ -63,22 +63,22 @@ class LLMEngine:
         )
         self.pages = PageTables(num_pages, args.cache.page_size)
         self.proposer: DFlashProposer | None = None
-        self.block_size = 1
+        self.speculative: SpeculativeDecoder | None = None
+        self.lookahead = 0
         capture: tuple[int, ...] = ()
         if drafter is not None:
             drafter.cfg.check_target(model_cfg)
             self.proposer = DFlashProposer(drafter, model, self.pages, args.dtype, args.device)
-            self.block_size = args.block_size or drafter.cfg.block_size
+            block_size = args.block_size or drafter.cfg.block_size
+            spec_cfg = SpecConfig(args.spec, block_size, args.tree_budget or block_size - 1,
+                                  args.topk_cap, args.tree_sampling)
+            self.lookahead = spec_cfg.lookahead
             capture = drafter.cfg.target_layer_ids
-        self.tree_budget = args.tree_budget or self.block_size - 1
-        # Tokens a speculative step writes past the committed ones: the draft block and the
-        # verified candidates (a chain of block_size, or a tree of tree_budget + 1 nodes).
-        if args.spec == "ddtree":
-            self.lookahead = max(self.block_size, self.tree_budget + 1) - 1
-        else:
-            self.lookahead = self.block_size - 1
         self.scheduler = Scheduler(args.scheduler, self.pages, lookahead=self.lookahead)
         self.runner = ModelRunner(model, self.cache, self.pages, capture)
+        if self.proposer is not None:
+            self.speculative = SpeculativeDecoder(spec_cfg, self.proposer, self.runner,
+                                                  self.cache, self.pages)
         self._ids = itertools.count()
         eos = set(model_cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -130,7 +130,7 @@ class LLMEngine:
         if not chunks:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
-        if self.proposer is not None and chunks[0].decode:
+        if self.speculative is not None and chunks[0].decode:
             return self._speculative_step(chunks)
         return self._plain_step(chunks)
 
@@ -160,74 +160,11 @@ class LLMEngine:
         return [c.seq for c in sampling]
 
     def _speculative_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
-        """Draft one block per request, verify every request's candidates (chain or tree) in
-        one target forward, commit the accepted path plus the target's next token."""
-        assert self.proposer is not None
+        assert self.speculative is not None
         seqs = [c.seq for c in chunks]
-        if self.args.spec == "ddtree":
-            candidates = self._propose_trees(seqs)
-        else:
-            candidates = self._propose_chains(seqs)
-        items = [
-            BatchItem(s.seq_id, s.num_computed, c.tokens, all_logits=True,
-                      positions=c.positions, visible=c.visible)
-            for s, c in zip(seqs, candidates)
-        ]
-        logits, features = self.runner.forward(Mode.VERIFY, items)
-        assert features is not None
-        greedy_rows = None
-        if all(s.params.greedy and not s.params.has_penalties for s in seqs):
-            greedy_rows = logits.argmax(dim=-1).tolist()  # one device sync for the batch
-        injected, committed, base = [], [], 0
-        for seq, cand in zip(seqs, candidates):
-            if greedy_rows is not None:
-                path, new = walk(cand.children,
-                                 lambda v, _prev, base=base: greedy_rows[base + v])
-            else:
-                path, new = walk(cand.children, self._row_sampler(seq, logits, base))
-            start = seq.num_computed
-            # The accepted nodes' KV moves to logical indices start.., the rest is dropped.
-            self.pages.keep(self.cache, seq.seq_id, start, path)
-            seq.num_computed = start + len(path)
-            rows = torch.tensor(path, device=features.device) + base
-            injected.append(ContextRows(seq.seq_id, start, features[rows]))
-            committed.append(new)
-            base += len(cand.tokens)
-        self.proposer.inject(injected)
-        for seq, new in zip(seqs, committed):
+        for seq, new in zip(seqs, self.speculative.step(seqs)):
             self._append(seq, new, record=True)
         return seqs
-
-    def _propose_chains(self, seqs: list[Sequence]) -> list[Candidates]:
-        assert self.proposer is not None
-        # Block b = min(B, room left): the last blocks of a request shrink, as the reference's do.
-        sizes = [min(self.block_size, s.max_total_len - s.num_computed) for s in seqs]
-        to_draft = [(s.seq_id, s.num_computed, s.output_ids[-1], b)
-                    for s, b in zip(seqs, sizes) if b > 1]
-        proposed = iter(self.proposer.propose(to_draft) if to_draft else [])
-        return [Candidates.chain(s.output_ids[-1], next(proposed) if b > 1 else [])
-                for s, b in zip(seqs, sizes)]
-
-    def _propose_trees(self, seqs: list[Sequence]) -> list[Candidates]:
-        assert self.proposer is not None
-        b = self.block_size
-        logits = self.proposer.draft_logits(
-            [(s.seq_id, s.num_computed, s.output_ids[-1], b) for s in seqs]
-        ).view(len(seqs), b - 1, -1)  # [R, L, V]
-        roots = torch.tensor([s.output_ids[-1] for s in seqs])
-        trees = build_trees(logits, roots, self.tree_budget, self.args.topk_cap)
-        tokens, parents, depths = (trees.tokens.tolist(), trees.parent.tolist(),
-                                   trees.depth.tolist())
-        return [
-            Candidates.tree(tokens[i], parents[i], depths[i], s.num_computed, trees.visible[i])
-            for i, s in enumerate(seqs)
-        ]
-
-    def _row_sampler(self, seq: Sequence, logits: torch.Tensor, first_row: int):
-        def target_token(node: int, committed: list[int]) -> int:
-            return sample_token(logits[first_row + node], seq.params, seq.generator,
-                                seq.prompt_ids, seq.output_ids + committed)
-        return target_token
 
     # ------------------------------------------------------------------ finishing
     def _append(self, seq: Sequence, tokens: list[int], record: bool) -> None:

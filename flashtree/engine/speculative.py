@@ -1,0 +1,173 @@
+"""One speculative step for a batch of decoding requests: draft a DFlash block each, turn it into
+candidates (a chain or a DDTree; deterministic, or sampled for RRS), verify all candidates in
+one target forward, walk them with the target's own rule, and commit the accepted path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashtree.engine.forward_batch import BatchItem, Mode
+from flashtree.engine.model_runner import ModelRunner
+from flashtree.engine.sequence import Sequence
+from flashtree.kv.cache import KVCache, PageTables
+from flashtree.sampling import sample_token, target_distribution
+from flashtree.spec.dflash import ContextRows, DFlashProposer
+from flashtree.spec.rrs import GeneratorDraws, sample_spine_tree, walk_rrs
+from flashtree.spec.tree import ancestor_mask, build_trees
+from flashtree.spec.verify import Candidates, walk
+
+TREE_SAMPLING_MODES = ("match", "rrs")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str  # "dflash" (chain) | "ddtree" (tree)
+    block_size: int
+    tree_budget: int  # DDTree non-root nodes
+    topk_cap: int | None
+    tree_sampling: str  # "match" (sample-and-match on deterministic candidates) | "rrs"
+
+    def __post_init__(self) -> None:
+        assert self.method in ("dflash", "ddtree"), self.method
+        if self.tree_sampling not in TREE_SAMPLING_MODES:
+            raise ValueError(f"tree_sampling={self.tree_sampling!r}; allowed: "
+                             f"{list(TREE_SAMPLING_MODES)}")
+
+    @property
+    def lookahead(self) -> int:
+        """Tokens a step writes past the committed ones: the draft block, and the candidates
+        (a chain of block_size, or a tree of tree_budget + 1 nodes)."""
+        verified = self.tree_budget + 1 if self.method == "ddtree" else self.block_size
+        return max(self.block_size, verified) - 1
+
+
+@dataclass
+class _Planned:
+    cand: Candidates
+    depths: list[int]
+    draft_probs: torch.Tensor | None  # [L, V] q rows when the candidates were sampled (RRS)
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self, cfg: SpecConfig, proposer: DFlashProposer, runner: ModelRunner, cache: KVCache,
+        pages: PageTables,
+    ) -> None:
+        self.cfg, self.proposer, self.runner = cfg, proposer, runner
+        self.cache, self.pages = cache, pages
+
+    def step(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Returns the tokens each request commits (accepted drafts + the target's next one);
+        target and draft KV already hold every committed token but the last."""
+        plans = self._plan(seqs)
+        items = [
+            BatchItem(s.seq_id, s.num_computed, p.cand.tokens, all_logits=True,
+                      positions=p.cand.positions, visible=p.cand.visible)
+            for s, p in zip(seqs, plans)
+        ]
+        logits, features = self.runner.forward(Mode.VERIFY, items)
+        assert features is not None, "verify must capture the drafter's target layers"
+        greedy_rows = None
+        if all(s.params.greedy and not s.params.has_penalties for s in seqs):
+            greedy_rows = logits.argmax(dim=-1).tolist()  # one device sync for the batch
+        injected, committed, base = [], [], 0
+        for seq, plan in zip(seqs, plans):
+            if greedy_rows is not None:
+                path, new = walk(plan.cand.children,
+                                 lambda v, _prev, base=base: greedy_rows[base + v])
+            elif plan.draft_probs is not None:
+                path, new = walk_rrs(plan.cand.children, plan.depths,
+                                     self._target_probs(seq, logits, base), plan.draft_probs,
+                                     GeneratorDraws(seq.generator))
+            else:
+                path, new = walk(plan.cand.children, self._target_sampler(seq, logits, base))
+            start = seq.num_computed
+            # The accepted nodes' KV moves to logical indices start.., the rest is dropped.
+            self.pages.keep(self.cache, seq.seq_id, start, path)
+            seq.num_computed = start + len(path)
+            rows = torch.tensor(path, device=features.device) + base
+            injected.append(ContextRows(seq.seq_id, start, features[rows]))
+            committed.append(new)
+            base += len(plan.cand.tokens)
+        self.proposer.inject(injected)
+        return committed
+
+    # ------------------------------------------------------------------ candidates
+    def _plan(self, seqs: list[Sequence]) -> list[_Planned]:
+        cfg = self.cfg
+        if cfg.method == "dflash":
+            # Block b = min(B, room left): the last blocks shrink, as the reference's do.
+            sizes = [min(cfg.block_size, s.max_total_len - s.num_computed) for s in seqs]
+        else:
+            sizes = [cfg.block_size] * len(seqs)
+        drafted = [(s, b) for s, b in zip(seqs, sizes) if b > 1]
+        logits = self.proposer.draft_logits(
+            [(s.seq_id, s.num_computed, s.output_ids[-1], b) for s, b in drafted]
+        ) if drafted else None
+        rows: dict[int, torch.Tensor] = {}  # seq_id -> [b - 1, V] draft logits
+        offset = 0
+        for s, b in drafted:
+            assert logits is not None
+            rows[s.seq_id] = logits[offset : offset + b - 1]
+            offset += b - 1
+        plans: list[_Planned | None] = [None] * len(seqs)
+        deterministic_trees = []
+        for i, s in enumerate(seqs):
+            draft = rows.get(s.seq_id)
+            if draft is not None and cfg.tree_sampling == "rrs" and not s.params.greedy:
+                plans[i] = self._sampled(s, draft)
+            elif draft is None or cfg.method == "dflash":
+                drafts = [] if draft is None else draft.argmax(dim=-1).tolist()
+                plans[i] = _Planned(Candidates.chain(s.output_ids[-1], drafts),
+                                    list(range(len(drafts) + 1)), None)
+            else:
+                deterministic_trees.append(i)
+        if deterministic_trees:
+            stacked = torch.stack([rows[seqs[i].seq_id] for i in deterministic_trees])
+            roots = torch.tensor([seqs[i].output_ids[-1] for i in deterministic_trees])
+            trees = build_trees(stacked, roots, cfg.tree_budget, cfg.topk_cap)
+            tokens, parents = trees.tokens.tolist(), trees.parent.tolist()
+            depths = trees.depth.tolist()
+            for j, i in enumerate(deterministic_trees):
+                cand = Candidates.tree(tokens[j], parents[j], depths[j], seqs[i].num_computed,
+                                       trees.visible[j])
+                plans[i] = _Planned(cand, depths[j], None)
+        return [p for p in plans if p is not None]
+
+    def _sampled(self, seq: Sequence, draft: torch.Tensor) -> _Planned:
+        """RRS candidates: q_d = softmax(draft logits / T); a chain of one sample per depth for
+        DFlash, a spine with `budget // depth` SWOR siblings per depth for DDTree."""
+        q = torch.softmax(draft.float() / seq.params.temperature, dim=-1)  # [L, V]
+        if self.cfg.method == "dflash":
+            width, depth = 1, q.shape[0]
+        else:
+            depth = min(q.shape[0], self.cfg.tree_budget)
+            width = max(1, self.cfg.tree_budget // depth)
+        tokens, parents = sample_spine_tree(q[:depth], width, seq.generator)
+        tokens, parents = [seq.output_ids[-1], *tokens], [0, *parents]
+        depths = [0]
+        for v in range(1, len(tokens)):
+            depths.append(depths[parents[v]] + 1)
+        if self.cfg.method == "dflash":
+            cand = Candidates.chain(tokens[0], tokens[1:])
+        else:
+            visible = ancestor_mask(torch.tensor([parents]), depth)[0].to(q.device)
+            cand = Candidates.tree(tokens, parents, depths, seq.num_computed, visible)
+        return _Planned(cand, depths, q[:depth])
+
+    # ------------------------------------------------------------------ target decisions
+    @staticmethod
+    def _target_sampler(seq: Sequence, logits: torch.Tensor, first_row: int):
+        def target_token(node: int, committed: list[int]) -> int:
+            return sample_token(logits[first_row + node], seq.params, seq.generator,
+                                seq.prompt_ids, seq.output_ids + committed)
+        return target_token
+
+    @staticmethod
+    def _target_probs(seq: Sequence, logits: torch.Tensor, first_row: int):
+        def probs(node: int, committed: list[int]) -> torch.Tensor:
+            return target_distribution(logits[first_row + node], seq.params, seq.prompt_ids,
+                                       seq.output_ids + committed)
+        return probs
