@@ -98,7 +98,7 @@ def walk_rrs(
             if renormalize_q:
                 q = _without(q, token)
         if accepted is None:
-            out.append(draws.categorical(p.float()))
+            out.append(draws.categorical(p))
             return path, out
         out.append(accepted[0])
         path.append(accepted[1])
