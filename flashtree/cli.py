@@ -48,7 +48,62 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_args(chat)
     _add_sampling_args(chat)
+    train = sub.add_parser("train-drafter", help="train a DFlash drafter for a target model")
+    train.add_argument("--target", default="default", help="target model (as --model)")
+    train.add_argument("--out", required=True, help="output directory (z-lab DFlash format)")
+    train.add_argument("--block-size", type=int, default=16)
+    train.add_argument("--layers", type=int, default=4, help="draft decoder layers")
+    train.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                       help="target layers whose outputs feed the drafter (default: spaced)")
+    train.add_argument("--mask-token-id", type=int, default=None,
+                       help="mask token (default: an unused special token of the target)")
+    train.add_argument("--prompts", default=None,
+                       help="text file, one prompt per line (default: built-in prompt set)")
+    train.add_argument("--num-prompts", type=int, default=2000,
+                       help="built-in prompts to use when --prompts is not given")
+    train.add_argument("--max-new-tokens", type=int, default=256,
+                       help="length of the target's regenerated responses")
+    train.add_argument("--steps", type=int, default=2000)
+    train.add_argument("--batch-size", type=int, default=16)
+    train.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
+    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--save-every", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default=None)
+    train.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    train.add_argument("--max-num-seqs", type=int, default=128,
+                       help="batch size of the data generation")
     return parser
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from flashtree import LLM
+    from flashtree.train.drafter import TrainConfig, generate_examples, train_drafter
+    from flashtree.train.prompts import training_prompts
+
+    cfg = TrainConfig(
+        block_size=args.block_size, num_layers=args.layers,
+        target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
+        mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
+        anchors=args.anchors, lr=args.lr, save_every=args.save_every, seed=args.seed,
+    )
+    if args.prompts:
+        prompts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+    else:
+        prompts = training_prompts(args.num_prompts, seed=args.seed)
+    llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
+              max_num_seqs=args.max_num_seqs)
+    start = time.time()
+    examples = generate_examples(llm, prompts, args.max_new_tokens)
+    tokens = sum(len(e.tokens) - e.response_start for e in examples)
+    print(f"generated {len(examples)} responses ({tokens} tokens) in {time.time() - start:.0f}s",
+          file=sys.stderr)
+    train_drafter(llm, examples, args.out, cfg)
+    print(f"drafter written to {args.out}", file=sys.stderr)
+    return 0
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -113,7 +168,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "chat": cmd_chat}
+    handlers = {"generate": cmd_generate, "chat": cmd_chat, "train-drafter": cmd_train_drafter}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as e:

@@ -1,0 +1,338 @@
+"""DFlash drafter training by target-aligned distillation (the published recipe).
+
+Data: the target regenerates responses to a prompt set with flashtree's own batched generation.
+Training: per sequence, random anchors p; each anchor spawns the block `[x_p, mask x (B-1)]` at
+positions p..p+B-1 that sees the target's context features of positions strictly before p plus
+its own block (bidirectional), exactly what inference sees. Cross-entropy at slots k = 1..B-1
+against x_{p+k}, weighted exp(-(k-1)/gamma). The target (embedding, LM head, features) is
+frozen; the draft layers, fc, hidden_norm and norm train with AdamW. The drafter is written in
+the z-lab format, loadable by flashtree and by the reference `dflash` package."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flashtree.config import ModelConfig
+from flashtree.engine.forward_batch import BatchItem, Mode
+from flashtree.engine.model_runner import ModelRunner
+from flashtree.kv.cache import KVCache, PageTables
+from flashtree.llm import LLM
+from flashtree.models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from flashtree.models.llama import DecoderModel
+from flashtree.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    block_size: int = 16
+    num_layers: int = 4
+    target_layer_ids: tuple[int, ...] | None = None
+    mask_token_id: int | None = None
+    steps: int = 2000
+    batch_size: int = 16  # sequences per step
+    anchors: int = 32  # blocks per sequence per step
+    lr: float = 6e-4
+    warmup: float = 0.04
+    grad_clip: float = 1.0
+    gamma: float | None = None  # slot weight decay; default 7 * block_size / 16
+    log_every: int = 50
+    save_every: int = 0  # 0: only the final drafter
+    seed: int = 0
+    init_from_target: bool = True  # start draft layers from the target's last layers
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        for name in ("num_layers", "steps", "batch_size", "anchors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class Example:
+    tokens: list[int]
+    response_start: int  # index of the first generated token
+
+
+# ---------------------------------------------------------------------- data
+def generate_examples(
+    llm: LLM, prompts: list[str] | list[list[int]], max_new_tokens: int, chat: bool = True,
+    temperature: float = 0.0,
+) -> list[Example]:
+    """The target's own responses to `prompts` (target-aligned distillation data)."""
+    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=0)
+    if chat and prompts and isinstance(prompts[0], str):
+        assert llm.tokenizer is not None, "chat prompts need a tokenizer"
+        encoded = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                   for p in prompts]
+    else:
+        encoded = [llm._encode(p) for p in prompts]
+    outs = llm.generate(encoded, params)
+    return [Example(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids))
+            for o in outs if len(o.outputs[0].token_ids) >= 2]
+
+
+# ---------------------------------------------------------------------- model setup
+def pick_mask_token_id(llm: LLM) -> int:
+    """A token that exists in the target vocabulary but never appears in chat traffic: the
+    highest special token id other than BOS/EOS/PAD and the chat template's markers."""
+    cfg = llm.model_config
+    if llm.tokenizer is None:
+        return cfg.vocab_size - 1
+    hf = llm.tokenizer.hf
+    used = {hf.bos_token_id, hf.eos_token_id, hf.pad_token_id, *cfg.eos_token_ids}
+    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    used |= set(llm.tokenizer.apply_chat_template(probe))
+    special = [i for i in getattr(hf, "all_special_ids", []) if i not in used]
+    special += [i for i in getattr(hf, "added_tokens_decoder", {}) if i not in used]
+    return max(special) if special else cfg.vocab_size - 1
+
+
+def drafter_hf_config(target: ModelConfig, cfg: TrainConfig, mask_id: int) -> dict:
+    layer_ids = list(cfg.target_layer_ids or default_target_layer_ids(target.num_layers,
+                                                                      cfg.num_layers))
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "dflash_config": {"target_layer_ids": layer_ids, "mask_token_id": mask_id},
+        "num_target_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope.theta,
+        "rope_scaling": None,
+        "max_position_embeddings": target.max_position_embeddings,
+        "vocab_size": target.vocab_size,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def new_drafter(target: DecoderModel, hf_cfg: dict, cfg: TrainConfig) -> DFlashDraftModel:
+    dcfg = DFlashConfig.from_hf(hf_cfg)
+    dcfg.check_target(target.cfg)
+    device = target.norm.weight.device
+    gen = torch.Generator().manual_seed(cfg.seed)
+    with torch.device(device):
+        draft = DFlashDraftModel(dcfg)
+    for name, p in draft.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    if cfg.init_from_target:
+        offset = len(target.layers) - len(draft.layers)
+        for i, layer in enumerate(draft.layers):
+            src = target.layers[offset + i].state_dict()
+            layer.load_state_dict(src, strict=False)  # q/k norms stay at one
+    draft.float()
+    for p in draft.parameters():
+        p.requires_grad_(True)
+    return draft
+
+
+# ---------------------------------------------------------------------- training batch
+class BlockAttention:
+    """Attention for a training batch: block queries of each sequence see the context K/V of
+    positions strictly before their anchor, plus their own block (bidirectional)."""
+
+    def __init__(self, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
+                 shape: tuple[int, int]) -> None:
+        self.ctx_kv = ctx_kv  # per layer (k, v): [S, T, kv_heads, hd]
+        self.mask = mask  # [S, 1, Q, T + Q] bool
+        self.seqs, self.queries = shape
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        s, n = self.seqs, self.queries
+        ck, cv = self.ctx_kv[layer]
+        keys = torch.cat([ck, k.view(s, n, *k.shape[1:])], dim=1).transpose(1, 2)
+        values = torch.cat([cv, v.view(s, n, *v.shape[1:])], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.view(s, n, *q.shape[1:]).transpose(1, 2), keys, values, attn_mask=self.mask,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).reshape(s * n, *q.shape[1:])
+
+
+def target_features(runner: ModelRunner, examples: list[Example], width: int) -> torch.Tensor:
+    """Outputs of the drafter's target layers for every token: [S, T, taps * hidden]."""
+    pages = runner.pages
+    items = []
+    for i, ex in enumerate(examples):
+        pages.reserve(i, len(ex.tokens))
+        items.append(BatchItem(i, 0, ex.tokens, wants_logits=False))
+    _, feats = runner.forward(Mode.PREFILL, items)
+    assert feats is not None
+    out = torch.zeros(len(examples), width, feats.shape[-1], device=feats.device)
+    row = 0
+    for i, ex in enumerate(examples):
+        out[i, : len(ex.tokens)] = feats[row : row + len(ex.tokens)].float()
+        row += len(ex.tokens)
+        pages.free(i)
+    return out
+
+
+def block_loss(
+    draft: DFlashDraftModel, target: DecoderModel, examples: list[Example],
+    features: torch.Tensor, cfg: TrainConfig, rng: random.Random,
+) -> tuple[torch.Tensor, float]:
+    """Weighted cross-entropy of one batch; returns (loss, top-1 accuracy at slot 1)."""
+    device = features.device
+    s, t = features.shape[:2]
+    b, a = cfg.block_size, cfg.anchors
+    gamma = cfg.gamma or 7.0 * b / 16
+    anchors = torch.zeros(s, a, dtype=torch.long)
+    valid_anchor = torch.zeros(s, a, dtype=torch.bool)
+    tokens = torch.zeros(s, t + b, dtype=torch.long)
+    lengths = torch.tensor([len(ex.tokens) for ex in examples])
+    for i, ex in enumerate(examples):
+        tokens[i, : len(ex.tokens)] = torch.tensor(ex.tokens)
+        # The bonus x_p is a generated token and x_{p+1} must exist (inference's first block
+        # starts at the first generated token).
+        candidates = list(range(ex.response_start, len(ex.tokens) - 1))
+        chosen = sorted(rng.sample(candidates, min(a, len(candidates))))
+        anchors[i, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
+        valid_anchor[i, : len(chosen)] = True
+    j = torch.arange(b)
+    pos = anchors[:, :, None] + j  # [S, A, B]
+    ids = torch.full((s, a, b), draft.cfg.mask_token_id, dtype=torch.long)
+    ids[:, :, 0] = tokens.gather(1, anchors)
+    labels = tokens.gather(1, pos.clamp(max=t + b - 1).view(s, -1)).view(s, a, b)
+    weight = torch.exp(-(j - 1).clamp(min=0) / gamma) * (j >= 1)
+    supervised = (pos < lengths[:, None, None]) & valid_anchor[:, :, None] & (j >= 1)
+    # Visibility: context positions < anchor (and inside the sequence); own block only.
+    q_anchor = anchors[:, :, None].expand(s, a, b).reshape(s, a * b)
+    ctx_visible = torch.arange(t)[None, None, :] < q_anchor[:, :, None]
+    block_of = torch.arange(a * b) // b
+    own_block = block_of[:, None] == block_of[None, :]
+    mask = torch.cat([ctx_visible, own_block.expand(s, -1, -1)], dim=2)[:, None]
+
+    ctx_pos = torch.arange(t, device=device).repeat(s)
+    ctx_kv = [(k.view(s, t, *k.shape[1:]), v.view(s, t, *v.shape[1:]))
+              for k, v in draft.context_kv(features.view(s * t, -1), ctx_pos)]
+    attn = BlockAttention(ctx_kv, mask.to(device), (s, a * b))
+    embeds = target.embed_tokens(ids.view(-1).to(device)).float()
+    hidden = draft(embeds, pos.view(-1).to(device), [attn] * len(draft.layers))
+    hidden = hidden.view(s, a, b, -1)[:, :, 1:]  # slots 1..B-1
+    logits = draft.logits(hidden.to(target.lm_head.weight.dtype), target.lm_head)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, :, 1:].reshape(-1)
+                         .to(device), reduction="none").view(s, a, b - 1)
+    w = (weight[1:] * supervised[:, :, 1:]).to(device)
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        first = supervised[:, :, 1].to(device)
+        hit = (logits[:, :, 0].argmax(-1) == labels[:, :, 1].to(device)) & first
+        acc = float(hit.sum() / first.sum().clamp(min=1))
+    return loss, acc
+
+
+# ---------------------------------------------------------------------- loop and save
+def train_drafter(
+    llm: LLM, examples: list[Example], out_dir: str | Path, cfg: TrainConfig,
+    progress: bool = True,
+) -> DFlashDraftModel:
+    target = llm.model
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token_id(llm)
+    hf_cfg = drafter_hf_config(llm.model_config, cfg, mask_id)
+    draft = new_drafter(target, hf_cfg, cfg)
+    if not examples:
+        raise ValueError("no training examples: every generated response was shorter than 2")
+    width = max(len(ex.tokens) for ex in examples)
+    batch = min(cfg.batch_size, len(examples))
+    page = 16
+    pages = PageTables(batch * (-(-width // page)), page)
+    mc = llm.model_config
+    cache = KVCache(mc.num_layers, pages.num_pages, page,
+                    target.layers[0].self_attn.num_kv_heads, mc.head_dim,
+                    target.norm.weight.dtype, target.norm.weight.device)
+    runner = ModelRunner(target, cache, pages, draft.cfg.target_layer_ids)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
+    warm = max(1, int(cfg.warmup * cfg.steps))
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    rng = random.Random(cfg.seed)
+    order: list[int] = []
+    bar = _progress(cfg.steps, progress)
+    start, running = time.time(), []
+    for step in range(cfg.steps):
+        if len(order) < batch:
+            order += rng.sample(range(len(examples)), len(examples))
+        chosen = [examples[order.pop()] for _ in range(batch)]
+        width_b = max(len(ex.tokens) for ex in chosen)
+        features = target_features(runner, chosen, width_b).clone()
+        loss, acc = block_loss(draft, target, chosen, features, cfg, rng)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        running.append((loss.item(), acc))
+        bar.update(1)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            mean_loss = sum(x for x, _ in running) / len(running)
+            mean_acc = sum(y for _, y in running) / len(running)
+            bar.write(f"step {step + 1}/{cfg.steps} loss {mean_loss:.4f} "
+                      f"acc@1 {mean_acc:.3f} lr {sched.get_last_lr()[0]:.2e} "
+                      f"{time.time() - start:.0f}s")
+            running = []
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            save_drafter(draft, hf_cfg, Path(out_dir) / f"checkpoint-{step + 1}")
+    bar.close()
+    save_drafter(draft, hf_cfg, out_dir)
+    return draft.eval()
+
+
+def save_drafter(draft: DFlashDraftModel, hf_cfg: dict, out_dir: str | Path) -> None:
+    """z-lab layout: config.json + model.safetensors (bf16), names without a `model.` prefix,
+    q/k/v and gate/up unstacked."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in draft.state_dict().items():
+        w = p.detach().to(torch.bfloat16).cpu()
+        if ".qkv_proj." in name:
+            attn = draft.layers[int(name.split(".")[1])].self_attn
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"),
+                                   w.split(attn.qkv_proj.shard_sizes, dim=0)):
+                tensors[name.replace("qkv_proj", part)] = chunk.contiguous()
+        elif ".gate_up_proj." in name:
+            gate, up = w.chunk(2, dim=0)
+            tensors[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+            tensors[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+        else:
+            tensors[name] = w.contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="train-drafter", dynamic_ncols=True)

@@ -1,0 +1,79 @@
+"""A built-in, varied training prompt set for drafter distillation: chat, instructions, code and
+arithmetic word problems, templated from word lists with a fixed seed. Evaluation prompts live
+elsewhere (benchmarks/) and are never drawn from these templates."""
+
+from __future__ import annotations
+
+import random
+
+_TOPICS = [
+    "the water cycle", "photosynthesis", "black holes", "the French revolution", "volcanoes",
+    "machine learning", "the immune system", "plate tectonics", "the printing press",
+    "renewable energy", "the Roman empire", "climate change", "honey bees", "the internet",
+    "electric cars", "the human heart", "coral reefs", "the moon landing", "vaccines",
+    "earthquakes", "the stock market", "rainbows", "the Great Wall of China", "dinosaurs",
+    "solar panels", "the piano", "chess", "coffee", "recycling", "the Olympic games",
+    "gravity", "tea ceremonies", "submarines", "deserts", "bicycles", "the violin",
+]
+_CHAT = [
+    "Explain {t} in simple terms.", "What are three interesting facts about {t}?",
+    "Write a short paragraph about {t}.", "Why is {t} important?",
+    "Give me a brief history of {t}.", "How would you explain {t} to a child?",
+    "What are the pros and cons of {t}?", "Summarize what you know about {t} in two sentences.",
+    "Write a haiku about {t}.", "List five questions a student might ask about {t}.",
+]
+_INSTRUCT = [
+    "Rewrite this sentence more formally: '{s}'", "Translate to French: '{s}'",
+    "Correct the grammar: '{s}'", "Make this sentence shorter: '{s}'",
+    "Turn this into a question: '{s}'",
+]
+_SENTENCES = [
+    "i think we should go to the park tomorrow", "the meeting was moved to friday afternoon",
+    "my cat likes to sleep on the keyboard", "we didnt finish the project on time",
+    "can you send me the report by tonight", "the weather is really nice today",
+    "she has been learning to play guitar", "they are building a new library downtown",
+]
+_CODE = [
+    "Write a Python function that {c}.", "Write a JavaScript function that {c}.",
+    "Explain how to write code that {c}.", "Write a Python one-liner that {c}.",
+]
+_CODE_TASKS = [
+    "reverses a string", "checks if a number is prime", "returns the factorial of n",
+    "counts the vowels in a string", "merges two sorted lists", "finds the maximum of a list",
+    "removes duplicates from a list", "computes the Fibonacci sequence",
+    "checks whether a word is a palindrome", "sums the digits of an integer",
+    "converts Celsius to Fahrenheit", "sorts a list of tuples by the second element",
+]
+_NAMES = ["Tom", "Ana", "Liam", "Mia", "Noah", "Sara", "Omar", "Yuki", "Ravi", "Elena"]
+_ITEMS = ["apples", "books", "marbles", "stickers", "cookies", "pencils", "coins", "cards"]
+
+
+def _math(rng: random.Random) -> str:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    a, b, c = rng.randint(3, 60), rng.randint(2, 30), rng.randint(2, 9)
+    templates = [
+        f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
+        f"{name} had {a + b} {item} and gave away {b}. How many are left?",
+        f"There are {c} boxes with {b} {item} each. How many {item} are there in total?",
+        f"{name} shares {b * c} {item} equally among {c} friends. How many does each get?",
+        f"What is {a} times {c} plus {b}?",
+        f"If a train travels {a} km per hour for {c} hours, how far does it go?",
+    ]
+    return rng.choice(templates)
+
+
+def training_prompts(n: int, seed: int = 0) -> list[str]:
+    """`n` prompts, evenly mixed across chat, instruction, code and math."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            out.append(rng.choice(_CHAT).format(t=rng.choice(_TOPICS)))
+        elif kind == 1:
+            out.append(rng.choice(_INSTRUCT).format(s=rng.choice(_SENTENCES)))
+        elif kind == 2:
+            out.append(rng.choice(_CODE).format(c=rng.choice(_CODE_TASKS)))
+        else:
+            out.append(_math(rng))
+    return out
