@@ -152,10 +152,13 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.inject(injected)
         sampling = [c for c in chunks if c.samples]
+        greedy = None
+        if all(c.seq.params.greedy and not c.seq.params.has_penalties for c in sampling):
+            greedy = logits.argmax(dim=-1).tolist()  # one device sync for the batch
         for i, c in enumerate(sampling):
             seq = c.seq
-            token = sample_token(logits[i], seq.params, seq.generator, seq.prompt_ids,
-                                 seq.output_ids)
+            token = greedy[i] if greedy is not None else sample_token(
+                logits[i], seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
             self._append(seq, [token], record=c.decode)
         return [c.seq for c in sampling]
 
