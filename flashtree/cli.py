@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=6e-4)
     train.add_argument("--save-every", type=int, default=0)
     train.add_argument("--log-every", type=int, default=50)
+    train.add_argument("--time-budget", type=float, default=None,
+                       help="seconds of training; fits the step count to it")
+    train.add_argument("--max-shard-mb", type=float, default=0,
+                       help="write the weights as shards of at most this many MB")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", default=None)
     train.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -90,7 +94,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
         anchors=args.anchors, lr=args.lr, save_every=args.save_every, seed=args.seed,
-        log_every=args.log_every,
+        log_every=args.log_every, time_budget=args.time_budget, max_shard_mb=args.max_shard_mb,
     )
     if args.prompts:
         prompts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]

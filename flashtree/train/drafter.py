@@ -29,6 +29,8 @@ from flashtree.models.dflash import DFlashConfig, DFlashDraftModel, default_targ
 from flashtree.models.llama import DecoderModel
 from flashtree.sampling import SamplingParams
 
+_TIMING_STEPS = 20  # steps timed before a time budget fixes the run's length
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -44,7 +46,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None  # slot weight decay; default 7 * block_size / 16
     log_every: int = 50
-    save_every: int = 0  # 0: only the final drafter
+    save_every: int = 0  # also write the drafter every this many steps (0: only at the end)
+    time_budget: float | None = None  # seconds; fits the step count (and LR schedule) into it
+    max_shard_mb: float = 0  # split model.safetensors into shards of at most this (0: one file)
     seed: int = 0
     init_from_target: bool = True  # start draft layers from the target's last layers
 
@@ -272,14 +276,16 @@ def train_drafter(
     def lr_at(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
-        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     rng = random.Random(cfg.seed)
     order: list[int] = []
-    bar = _progress(cfg.steps, progress)
+    total = cfg.steps
+    bar = _progress(total, progress)
     start, running = time.time(), []
-    for step in range(cfg.steps):
+    step = 0
+    while step < total:
         if len(order) < batch:
             order += rng.sample(range(len(examples)), len(examples))
         chosen = [examples[order.pop()] for _ in range(batch)]
@@ -293,23 +299,33 @@ def train_drafter(
         sched.step()
         running.append((loss.item(), acc))
         bar.update(1)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        if cfg.time_budget is not None and step + 1 == _TIMING_STEPS:
+            # Shrink the run (and its cosine schedule) to what the time budget allows.
+            per_step = (time.time() - start) / _TIMING_STEPS
+            total = max(_TIMING_STEPS + 1, min(cfg.steps, int(cfg.time_budget / per_step)))
+            warm = max(1, int(cfg.warmup * total))
+            bar.total = total
+            bar.write(f"{per_step:.3f}s per step: training {total} steps")
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total:
             mean_loss = sum(x for x, _ in running) / len(running)
             mean_acc = sum(y for _, y in running) / len(running)
-            bar.write(f"step {step + 1}/{cfg.steps} loss {mean_loss:.4f} "
+            bar.write(f"step {step + 1}/{total} loss {mean_loss:.4f} "
                       f"acc@1 {mean_acc:.3f} lr {sched.get_last_lr()[0]:.2e} "
                       f"{time.time() - start:.0f}s")
             running = []
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_drafter(draft, hf_cfg, Path(out_dir) / f"checkpoint-{step + 1}")
+            save_drafter(draft, hf_cfg, out_dir, cfg.max_shard_mb)
+        step += 1
     bar.close()
-    save_drafter(draft, hf_cfg, out_dir)
+    save_drafter(draft, hf_cfg, out_dir, cfg.max_shard_mb)
     return draft.eval()
 
 
-def save_drafter(draft: DFlashDraftModel, hf_cfg: dict, out_dir: str | Path) -> None:
+def save_drafter(
+    draft: DFlashDraftModel, hf_cfg: dict, out_dir: str | Path, max_shard_mb: float = 0
+) -> None:
     """z-lab layout: config.json + model.safetensors (bf16), names without a `model.` prefix,
-    q/k/v and gate/up unstacked."""
+    q/k/v and gate/up unstacked; with `max_shard_mb`, Hugging Face shards plus their index."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -328,7 +344,26 @@ def save_drafter(draft: DFlashDraftModel, hf_cfg: dict, out_dir: str | Path) -> 
             tensors[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
         else:
             tensors[name] = w.contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    limit = max_shard_mb * 2**20
+    for name, w in tensors.items():
+        size = sum(t.numel() * t.element_size() for t in shards[-1].values())
+        if limit and shards[-1] and size + w.numel() * w.element_size() > limit:
+            shards.append({})
+        shards[-1][name] = w
+    if len(shards) == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+        index = {"metadata": {"total_size": sum(t.numel() * 2 for t in tensors.values())},
+                 "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
 
 
