@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=6e-4)
     train.add_argument("--save-every", type=int, default=0)
     train.add_argument("--log-every", type=int, default=50)
+    train.add_argument("--init-from", default=None,
+                       help="continue from a drafter saved earlier (same geometry)")
     train.add_argument("--time-budget", type=float, default=None,
                        help="seconds of training; fits the step count to it")
     train.add_argument("--max-shard-mb", type=float, default=0,
@@ -94,7 +96,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
         anchors=args.anchors, lr=args.lr, save_every=args.save_every, seed=args.seed,
-        log_every=args.log_every, time_budget=args.time_budget, max_shard_mb=args.max_shard_mb,
+        log_every=args.log_every, init_from=args.init_from, time_budget=args.time_budget,
+        max_shard_mb=args.max_shard_mb,
     )
     if args.prompts:
         prompts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]

@@ -51,6 +51,7 @@ class TrainConfig:
     max_shard_mb: float = 0  # split model.safetensors into shards of at most this (0: one file)
     seed: int = 0
     init_from_target: bool = True  # start draft layers from the target's last layers
+    init_from: str | None = None  # continue training a drafter saved earlier (same geometry)
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -144,7 +145,11 @@ def new_drafter(target: DecoderModel, hf_cfg: dict, cfg: TrainConfig) -> DFlashD
             p.data.fill_(1.0)
         else:
             p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    if cfg.init_from_target:
+    if cfg.init_from is not None:
+        from flashtree.models.loader import iter_safetensors, safetensors_files
+
+        draft.load_weights(iter_safetensors(safetensors_files(Path(cfg.init_from))))
+    elif cfg.init_from_target:
         offset = len(target.layers) - len(draft.layers)
         for i, layer in enumerate(draft.layers):
             src = target.layers[offset + i].state_dict()
@@ -305,13 +310,12 @@ def train_drafter(
             total = max(_TIMING_STEPS + 1, min(cfg.steps, int(cfg.time_budget / per_step)))
             warm = max(1, int(cfg.warmup * total))
             bar.total = total
-            bar.write(f"{per_step:.3f}s per step: training {total} steps")
+            _log(bar, f"{per_step:.3f}s per step: training {total} steps")
         if (step + 1) % cfg.log_every == 0 or step + 1 == total:
             mean_loss = sum(x for x, _ in running) / len(running)
             mean_acc = sum(y for _, y in running) / len(running)
-            bar.write(f"step {step + 1}/{total} loss {mean_loss:.4f} "
-                      f"acc@1 {mean_acc:.3f} lr {sched.get_last_lr()[0]:.2e} "
-                      f"{time.time() - start:.0f}s")
+            _log(bar, f"step {step + 1}/{total} loss {mean_loss:.4f} acc@1 {mean_acc:.3f} "
+                 f"lr {sched.get_last_lr()[0]:.2e} {time.time() - start:.0f}s")
             running = []
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_drafter(draft, hf_cfg, out_dir, cfg.max_shard_mb)
@@ -365,6 +369,13 @@ def save_drafter(
                  "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+
+
+def _log(bar, line: str) -> None:
+    """Progress lines go to stdout (the bar lives on stderr), so logs can be kept apart."""
+    bar.clear()
+    print(line, flush=True)
+    bar.refresh()
 
 
 def _progress(total: int, enabled: bool):

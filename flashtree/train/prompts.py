@@ -14,6 +14,12 @@ _TOPICS = [
     "earthquakes", "the stock market", "rainbows", "the Great Wall of China", "dinosaurs",
     "solar panels", "the piano", "chess", "coffee", "recycling", "the Olympic games",
     "gravity", "tea ceremonies", "submarines", "deserts", "bicycles", "the violin",
+    "the solar system", "antibiotics", "the Renaissance", "glaciers", "social media",
+    "artificial intelligence", "the Amazon rainforest", "blockchain", "sleep", "nutrition",
+    "time management", "public speaking", "the ocean tides", "bread baking", "gardening",
+    "the Industrial Revolution", "electricity", "magnets", "the Pyramids of Giza", "owls",
+    "friendship", "learning a new language", "budgeting", "exercise", "meditation",
+    "airplanes", "the periodic table", "DNA", "hurricanes", "the Silk Road", "jazz music",
 ]
 _CHAT = [
     "Explain {t} in simple terms.", "What are three interesting facts about {t}?",
@@ -21,6 +27,11 @@ _CHAT = [
     "Give me a brief history of {t}.", "How would you explain {t} to a child?",
     "What are the pros and cons of {t}?", "Summarize what you know about {t} in two sentences.",
     "Write a haiku about {t}.", "List five questions a student might ask about {t}.",
+    "What is {t}?", "Tell me about {t}.", "Can you describe {t}?", "How does {t} work?",
+    "What should a beginner know about {t}?", "Write a short story involving {t}.",
+    "Compare {t} and {u}.", "What is the connection between {t} and {u}?",
+    "Give me three tips related to {t}.", "Write a tweet about {t}.",
+    "What are common misconceptions about {t}?", "Describe {t} in one paragraph.",
 ]
 _INSTRUCT = [
     "Rewrite this sentence more formally: '{s}'", "Translate to French: '{s}'",
@@ -39,6 +50,10 @@ _CODE = [
 ]
 _CODE_TASKS = [
     "reverses a string", "checks if a number is prime", "returns the factorial of n",
+    "finds the longest word in a sentence", "flattens a nested list", "counts word frequencies",
+    "validates an email address", "computes the average of a list", "reads a file line by line",
+    "returns the second largest number in a list", "capitalizes every word in a string",
+    "checks if two strings are anagrams", "converts a list of strings to integers",
     "counts the vowels in a string", "merges two sorted lists", "finds the maximum of a list",
     "removes duplicates from a list", "computes the Fibonacci sequence",
     "checks whether a word is a palindrome", "sums the digits of an integer",
@@ -58,6 +73,10 @@ def _math(rng: random.Random) -> str:
         f"{name} shares {b * c} {item} equally among {c} friends. How many does each get?",
         f"What is {a} times {c} plus {b}?",
         f"If a train travels {a} km per hour for {c} hours, how far does it go?",
+        f"A shop sells {item} for ${c} each. How much do {b} {item} cost?",
+        f"{name} reads {b} pages a day. How many pages in {c} weeks?",
+        f"What is {a + b} minus {b}?", f"Is {a} an even or an odd number? Explain.",
+        f"{name} is {a} years old. How old will {name} be in {b} years?",
     ]
     return rng.choice(templates)
 
@@ -69,7 +88,7 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
     for i in range(n):
         kind = i % 4
         if kind == 0:
-            out.append(rng.choice(_CHAT).format(t=rng.choice(_TOPICS)))
+            out.append(rng.choice(_CHAT).format(t=rng.choice(_TOPICS), u=rng.choice(_TOPICS)))
         elif kind == 1:
             out.append(rng.choice(_INSTRUCT).format(s=rng.choice(_SENTENCES)))
         elif kind == 2:
