@@ -103,6 +103,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         prompts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
     else:
         prompts = training_prompts(args.num_prompts, seed=args.seed)
+    prompts = list(dict.fromkeys(prompts))  # greedy responses to a repeated prompt add nothing
     llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs)
     start = time.time()
