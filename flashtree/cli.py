@@ -89,7 +89,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     from flashtree import LLM
     from flashtree.train.drafter import TrainConfig, generate_examples, train_drafter
-    from flashtree.train.prompts import training_prompts
+    from flashtree.train.prompts import training_prompts, vocabulary_words
 
     cfg = TrainConfig(
         block_size=args.block_size, num_layers=args.layers,
@@ -99,13 +99,14 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         log_every=args.log_every, init_from=args.init_from, time_budget=args.time_budget,
         max_shard_mb=args.max_shard_mb,
     )
+    llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
+              max_num_seqs=args.max_num_seqs)
     if args.prompts:
         prompts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
     else:
-        prompts = training_prompts(args.num_prompts, seed=args.seed)
+        words = vocabulary_words(llm.tokenizer) if llm.tokenizer is not None else None
+        prompts = training_prompts(args.num_prompts, seed=args.seed, words=words)
     prompts = list(dict.fromkeys(prompts))  # greedy responses to a repeated prompt add nothing
-    llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
-              max_num_seqs=args.max_num_seqs)
     start = time.time()
     examples = generate_examples(llm, prompts, args.max_new_tokens)
     tokens = sum(len(e.tokens) - e.response_start for e in examples)

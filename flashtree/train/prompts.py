@@ -81,13 +81,37 @@ def _math(rng: random.Random) -> str:
     return rng.choice(templates)
 
 
-def training_prompts(n: int, seed: int = 0) -> list[str]:
-    """`n` prompts, evenly mixed across chat, instruction, code and math."""
+_WORD_PROMPTS = [
+    "What does the word '{w}' mean?", "Write a sentence using the word '{w}'.",
+    "Tell me a short story about {w} and {v}.", "Write a poem about {w}.",
+    "Explain the difference between {w} and {v}.", "Give me a fun fact related to {w}.",
+    "Describe a day in the life of someone who loves {w}.", "Write an email about {w}.",
+    "What are some synonyms for '{w}'?", "Write a product description for a {w}.",
+    "How would you teach someone about {w}?", "Write a dialogue between two friends about {w}.",
+]
+
+
+def vocabulary_words(tokenizer, limit: int = 20000) -> list[str]:
+    """Whole English words from a BPE vocabulary (tokens that start a word), as topic seeds."""
+    words = []
+    for token in tokenizer.hf.get_vocab():
+        word = token[1:] if token.startswith("\u0120") else None
+        if word and word.isalpha() and word.islower() and 5 <= len(word) <= 12:
+            words.append(word)
+    return sorted(words)[:limit]
+
+
+def training_prompts(n: int, seed: int = 0, words: list[str] | None = None) -> list[str]:
+    """`n` prompts mixed across chat, instruction, code and math; with `words` (topic seeds,
+    e.g. `vocabulary_words`), a third of them are open-ended prompts about those words."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        kind = i % 4
-        if kind == 0:
+        kind = i % 6
+        if kind >= 4 and words:
+            out.append(rng.choice(_WORD_PROMPTS).format(w=rng.choice(words),
+                                                        v=rng.choice(words)))
+        elif kind in (0, 4, 5):
             out.append(rng.choice(_CHAT).format(t=rng.choice(_TOPICS), u=rng.choice(_TOPICS)))
         elif kind == 1:
             out.append(rng.choice(_INSTRUCT).format(s=rng.choice(_SENTENCES)))
