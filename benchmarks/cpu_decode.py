@@ -75,6 +75,54 @@ def timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, out
 
 
+class ForeignLoad:
+    """CPU time other processes used (in cores) since `start()`: system busy jiffies from
+    /proc/stat minus this process's own. The machine is shared, and on 2 cores one busy
+    neighbour stalls every OpenMP barrier of a 2-thread torch, for either engine."""
+
+    def __init__(self) -> None:
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.available = os.path.exists("/proc/stat")
+        self.start()
+
+    def _sample(self) -> tuple[int, int, float]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        busy = sum(vals) - vals[3] - (vals[4] if len(vals) > 4 else 0)  # minus idle, iowait
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        own = int(fields[11]) + int(fields[12])  # utime + stime, all threads
+        return busy, own, time.perf_counter()
+
+    def start(self) -> None:
+        if self.available:
+            self._t0 = self._sample()
+
+    def cores(self) -> float:
+        """Mean number of cores other processes kept busy since start()."""
+        if not self.available:
+            return 0.0
+        busy, own, t = self._sample()
+        b0, o0, t0 = self._t0
+        return max(0.0, ((busy - b0) - (own - o0)) / self.hz / max(t - t0, 1e-9))
+
+    def wait_idle(self, threshold: float, timeout: float, log: Callable[[str], None]) -> float:
+        """Wait (at most `timeout` s) for a 2 s window in which other processes use fewer than
+        `threshold` cores; return the last window's foreign load."""
+        if not self.available or timeout <= 0:
+            return 0.0
+        deadline, told = time.monotonic() + timeout, False
+        while True:
+            self.start()
+            time.sleep(2.0)
+            load = self.cores()
+            if load < threshold or time.monotonic() > deadline:
+                return load
+            if not told:
+                log(f"    waiting for the machine to go idle (others use {load:.2f} cores)")
+                told = True
+
+
 class FlashtreeRunner:
     name = "flashtree"
 
@@ -158,17 +206,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def agreement(ft: list[list[int]], hf: list[list[int]], eos: set[int], n: int) -> str:
-    """Matching greedy prefix per prompt. A mismatch right where flashtree emitted EOS is
-    expected: transformers' min_new_tokens forbids EOS, flashtree's ignore_eos does not."""
+    """Matching greedy prefix per prompt. A split right where flashtree emitted EOS is expected
+    (the answer itself matched): transformers' min_new_tokens forbids EOS there, flashtree's
+    ignore_eos does not, so the two continue differently past the end of the answer."""
     prefixes = [common_prefix(a, b) for a, b in zip(ft, hf, strict=True)]
-    at_eos = sum(1 for p, a in zip(prefixes, ft, strict=True) if p < n and a[p] in eos)
     full = sum(1 for p in prefixes if p == n)
-    text = f"{full}/{len(ft)} prompts identical; prefix min {min(prefixes)}, " + (
-        f"mean {statistics.mean(prefixes):.1f} of {n}"
-    )
+    at_eos = [p for p, a in zip(prefixes, ft, strict=True) if p < n and a[p] in eos]
+    diverged = [p for p, a in zip(prefixes, ft, strict=True) if p < n and a[p] not in eos]
+    parts = [f"{full + len(at_eos)}/{len(ft)} match up to the answer's end: {full} identical "
+             f"for all {n} tokens"]
     if at_eos:
-        text += f" ({at_eos} split at an EOS that transformers suppresses)"
-    return text
+        parts.append(f"{len(at_eos)} identical up to flashtree's EOS at token "
+                     f"{', '.join(map(str, at_eos))} (EOS suppressed in transformers)")
+    if diverged:
+        parts.append(f"{len(diverged)} diverge at token {', '.join(map(str, diverged))}")
+    return "; ".join(parts) + f"; matching prefix mean {statistics.mean(prefixes):.1f}/{n}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for both engines (default: nproc)")
     ap.add_argument("--out", default=None, help="also write the markdown report to this file")
+    ap.add_argument("--idle-threshold", type=float, default=0.25,
+                    help="a timed run counts as contended when other processes used more than "
+                    "this many cores during it (default 0.25)")
+    ap.add_argument("--idle-timeout", type=float, default=600.0,
+                    help="seconds to wait for an idle machine before each timed run; 0: don't")
+    ap.add_argument("--max-retries", type=int, default=3,
+                    help="times a contended timed run is discarded and redone (default 3)")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if any(b < 1 or len(PROMPTS) % b for b in batches):
@@ -206,43 +265,61 @@ def main(argv: list[str] | None = None) -> int:
         log("warning: the two tokenizers render the chat prompts differently; using flashtree's")
     eos = set(ft.llm.engine.eos_token_ids)
     runners = [ft, hf]
+    load = ForeignLoad()
 
-    load_before = os.getloadavg()
-    rates: dict[tuple[str, int], list[float]] = {}
+    # (engine, batch) -> [(tokens/s, foreign cores during the run)] of the kept runs
+    runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
     outputs: dict[tuple[str, int], list[list[int]]] = {}
+    discarded = 0
     for batch in batches:
         for r in runners:
             log(f"warm-up {r.name} batch {batch}")
             run_once(r, prompts, batch)
         for rep in range(args.repeats):
             for r in runners:
-                seconds, outs = run_once(r, prompts, batch)
-                rate = len(prompts) * args.max_new_tokens / seconds
-                rates.setdefault((r.name, batch), []).append(rate)
+                for attempt in range(args.max_retries + 1):
+                    load.wait_idle(args.idle_threshold, args.idle_timeout, log)
+                    load.start()
+                    seconds, outs = run_once(r, prompts, batch)
+                    foreign = load.cores()
+                    rate = len(prompts) * args.max_new_tokens / seconds
+                    log(f"  {r.name:12s} batch {batch} run {rep + 1}: {seconds:7.2f} s  "
+                        f"{rate:7.1f} tok/s  (other processes: {foreign:.2f} cores)")
+                    if foreign <= args.idle_threshold or attempt == args.max_retries:
+                        break
+                    discarded += 1
+                    log("    contended, discarded; running it again")
+                runs.setdefault((r.name, batch), []).append((rate, foreign))
                 outputs[(r.name, batch)] = outs
-                log(f"  {r.name:12s} batch {batch} run {rep + 1}: {seconds:7.2f} s  "
-                    f"{rate:7.1f} tok/s")
 
     lines = [
         "| engine | batch | tokens/s (median) | runs (tokens/s) | flashtree / transformers "
         "| greedy agreement with transformers |",
         "|---|---:|---:|---|---:|---|",
     ]
+    contended = 0
     for batch in batches:
-        ft_med = statistics.median(rates[("flashtree", batch)])
-        hf_med = statistics.median(rates[("transformers", batch)])
+        med = {
+            name: statistics.median(rate for rate, _ in runs[(name, batch)])
+            for name in ("flashtree", "transformers")
+        }
         agree = agreement(outputs[("flashtree", batch)], outputs[("transformers", batch)], eos,
                           args.max_new_tokens)
-        for name, med in (("flashtree", ft_med), ("transformers", hf_med)):
-            runs = ", ".join(f"{x:.1f}" for x in rates[(name, batch)])
-            ratio = f"{ft_med / hf_med:.2f}x" if name == "flashtree" else ""
+        for name in ("flashtree", "transformers"):
+            cells = []
+            for rate, foreign in runs[(name, batch)]:
+                busy = foreign > args.idle_threshold
+                contended += busy
+                cells.append(f"{rate:.1f}" + ("*" if busy else ""))
+            ratio = f"{med['flashtree'] / med['transformers']:.2f}x" if name == "flashtree" else ""
             note = agree if name == "flashtree" else "(reference)"
-            lines.append(f"| {name} | {batch} | {med:.1f} | {runs} | {ratio} | {note} |")
+            lines.append(
+                f"| {name} | {batch} | {med[name]:.1f} | {', '.join(cells)} | {ratio} | {note} |"
+            )
     table = "\n".join(lines)
+    worst = max(f for vals in runs.values() for _, f in vals)
 
     import transformers
-
-    load_after = os.getloadavg()
 
     lens = [len(p) for p in prompts]
     report = "\n".join([
@@ -251,9 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- command: `{shlex.join([os.path.basename(sys.executable), *sys.argv])}`",
         f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"- machine: nproc {num_cores()}, CPU `{cpu_model()}`, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, Python {platform.python_version()}, "
-        f"torch threads {threads} (both engines); 1-min load average {load_before[0]:.2f} "
-        f"before, {load_after[0]:.2f} after the timed runs",
+        f"transformers {transformers.__version__}, Python {platform.python_version()}; "
+        f"torch threads {threads} for both engines",
         "- model: SmolLM2-135M-Instruct (embedded `model='default'`, Q4_1 GGUF dequantized to "
         "float32 by both engines), greedy",
         f"- workload: {len(prompts)} chat prompts of {min(lens)}-{max(lens)} tokens (chat "
@@ -261,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         "generate call at a time, batch 8 = one call",
         "- tokens/s = generated tokens / wall time of the whole generate call(s), **prefill "
         f"included**; one warm-up run each, median of {args.repeats} runs, engines interleaved",
+        f"- shared machine: each timed run waited for other processes to use < "
+        f"{args.idle_threshold} cores and was redone (at most {args.max_retries} times) when "
+        f"they used more during it; {discarded} runs discarded, {contended} kept runs still "
+        f"contended (marked *), at most {worst:.2f} cores used by others in a kept run",
         "",
         table,
         "",

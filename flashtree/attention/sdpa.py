@@ -76,8 +76,9 @@ class SdpaBackend(AttentionBackend):
         n, max_kv = plan.kv_slots.shape
         max_q = plan.mask.shape[2]
         heads, hd = q.shape[1], q.shape[2]
-        keys = self.cache.k[layer][plan.kv_slots]  # [n, max_kv, kv_heads, hd]
-        values = self.cache.v[layer][plan.kv_slots]
+        flat = plan.kv_slots.view(-1)
+        keys = self.cache.k[layer].index_select(0, flat).view(n, max_kv, *k.shape[1:])
+        values = self.cache.v[layer].index_select(0, flat).view(n, max_kv, *v.shape[1:])
         if plan.padded_index is None:
             q_pad = q.view(n, max_q, heads, hd)
         else:
