@@ -78,50 +78,60 @@ def apply_penalties(
 ) -> torch.Tensor:
     """vLLM semantics: repetition over prompt + output, presence/frequency over output only.
     logits: [vocab] float32 -> [vocab]."""
+    return penalize_rows(logits[None], params, prompt_ids, output_ids)[0]
+
+
+def penalize_rows(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    extra_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Penalties for n rows that share the committed context and each add their own generated
+    tokens (a tree node's path): logits [n, vocab]; extra_counts [n, vocab] -> [n, vocab]."""
     if not params.has_penalties:
         return logits
-    logits = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
+    counts = torch.zeros(vocab, dtype=logits.dtype, device=device)
+    if output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, device=device),
+                                minlength=vocab).to(logits.dtype)
+    counts = counts.expand_as(logits)
+    if extra_counts is not None:
+        counts = counts + extra_counts.to(logits.dtype)
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
-        if seen.numel():
-            seen = seen.to(logits.device)
-            vals = logits[seen]
-            penalty = params.repetition_penalty
-            logits[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(
-            torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1]
-        ).to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        seen = counts > 0
+        if prompt_ids:
+            in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+            in_prompt[torch.tensor(prompt_ids, device=device)] = True
+            seen = seen | in_prompt
+        penalty = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty),
+                             logits)
+    if params.presence_penalty or params.frequency_penalty:
+        logits = logits - (params.frequency_penalty * counts
+                           + params.presence_penalty * (counts > 0).to(logits.dtype))
     return logits
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Distribution plain sampling draws from at temperature > 0. logits: [vocab] -> [vocab]."""
+    """Distribution plain sampling draws from at temperature > 0.
+    logits: [..., vocab] -> [..., vocab]."""
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the top token is always kept).
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
-
-
-def target_distribution(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
-) -> torch.Tensor:
-    """What plain decoding samples from after `output_ids`: penalties, then temperature,
-    top-k, top-p, min-p. For greedy requests, a one-hot at the argmax. logits: [vocab]."""
-    logits = apply_penalties(logits, params, prompt_ids, output_ids)
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
-    return probabilities(logits, params)
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def sample_token(

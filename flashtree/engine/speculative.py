@@ -12,7 +12,7 @@ from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.sequence import Sequence
 from flashtree.kv.cache import KVCache, PageTables
-from flashtree.sampling import sample_token, target_distribution
+from flashtree.sampling import penalize_rows, probabilities
 from flashtree.spec.dflash import ContextRows, DFlashProposer
 from flashtree.spec.rrs import GeneratorDraws, sample_spine_tree, walk_rrs
 from flashtree.spec.tree import ancestor_mask, build_trees
@@ -74,23 +74,27 @@ class SpeculativeDecoder:
             greedy_rows = logits.argmax(dim=-1).tolist()  # one device sync for the batch
         injected, committed, base = [], [], 0
         for seq, plan in zip(seqs, plans):
+            n = len(plan.cand.tokens)
             if greedy_rows is not None:
                 path, new = walk(plan.cand.children,
                                  lambda v, _prev, base=base: greedy_rows[base + v])
-            elif plan.draft_probs is not None:
-                path, new = walk_rrs(plan.cand.children, plan.depths,
-                                     self._target_probs(seq, logits, base), plan.draft_probs,
-                                     GeneratorDraws(seq.generator))
             else:
-                path, new = walk(plan.cand.children, self._target_sampler(seq, logits, base))
+                rows = self._processed_rows(seq, plan.cand, logits[base : base + n])
+                if plan.draft_probs is not None:
+                    path, new = walk_rrs(plan.cand.children, plan.depths,
+                                         lambda v, _prev, rows=rows: rows[v], plan.draft_probs,
+                                         GeneratorDraws(seq.generator))
+                else:
+                    decisions = self._node_decisions(seq, rows)
+                    path, new = walk(plan.cand.children, lambda v, _prev, d=decisions: d[v])
             start = seq.num_computed
             # The accepted nodes' KV moves to logical indices start.., the rest is dropped.
             self.pages.keep(self.cache, seq.seq_id, start, path)
             seq.num_computed = start + len(path)
-            rows = torch.tensor(path, device=features.device) + base
-            injected.append(ContextRows(seq.seq_id, start, features[rows]))
+            rows_kept = torch.tensor(path, device=features.device) + base
+            injected.append(ContextRows(seq.seq_id, start, features[rows_kept]))
             committed.append(new)
-            base += len(plan.cand.tokens)
+            base += n
         self.proposer.inject(injected)
         return committed
 
@@ -159,15 +163,24 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ target decisions
     @staticmethod
-    def _target_sampler(seq: Sequence, logits: torch.Tensor, first_row: int):
-        def target_token(node: int, committed: list[int]) -> int:
-            return sample_token(logits[first_row + node], seq.params, seq.generator,
-                                seq.prompt_ids, seq.output_ids + committed)
-        return target_token
+    def _processed_rows(seq: Sequence, cand: Candidates, logits: torch.Tensor) -> torch.Tensor:
+        """What plain decoding would sample from at every node, all nodes at once: penalties
+        count the committed tokens plus the node's own path (its ancestors below the root, and
+        itself). logits: [n, V] -> penalized logits (greedy) or probabilities [n, V]."""
+        n, vocab = logits.shape
+        visible = cand.visible
+        if visible is None:  # a chain: each node's path is every node up to it
+            visible = torch.ones(n, n, dtype=torch.bool, device=logits.device).tril()
+        path_tokens = torch.tensor(cand.tokens[1:], device=logits.device)
+        one_hot = torch.nn.functional.one_hot(path_tokens, vocab).to(logits.dtype)  # [n-1, V]
+        path_counts = visible[:, 1:].to(device=logits.device, dtype=logits.dtype) @ one_hot
+        rows = penalize_rows(logits, seq.params, seq.prompt_ids, seq.output_ids, path_counts)
+        return rows if seq.params.greedy else probabilities(rows, seq.params)
 
     @staticmethod
-    def _target_probs(seq: Sequence, logits: torch.Tensor, first_row: int):
-        def probs(node: int, committed: list[int]) -> torch.Tensor:
-            return target_distribution(logits[first_row + node], seq.params, seq.prompt_ids,
-                                       seq.output_ids + committed)
-        return probs
+    def _node_decisions(seq: Sequence, rows: torch.Tensor) -> list[int]:
+        """The target's decision at every node: argmax, or one independent sample per node
+        from its own distribution (sample-and-match); one host sync per request."""
+        if seq.params.greedy:
+            return rows.argmax(dim=-1).tolist()
+        return torch.multinomial(rows, 1, generator=seq.generator).view(-1).tolist()

@@ -41,13 +41,14 @@ def walk(
 ) -> tuple[list[int], list[int]]:
     """Accept candidates with the target's own decision.
 
-    `target_token(v, committed_so_far)` is the target's decision at node v: greedy argmax, or a
-    sample drawn with the request's generator after penalties that see the committed context
-    plus the path so far. From the root, follow the child carrying that token; stop at the
-    first node without one. Every committed token IS the target's decision at its node, so the
-    output is distributed exactly as plain decoding (sample-and-match: one draw per committed
-    token, never min(1, p/q)). Returns (accepted nodes, root first, ascending; committed tokens:
-    the accepted nodes' children tokens plus the bonus at the deepest accepted node)."""
+    `target_token(v, committed_so_far)` is the target's decision at node v: its argmax, or a
+    sample from exactly the distribution plain decoding would use after v's path (penalties
+    see the committed context plus that path), drawn independently for every node. From the
+    root, follow the child carrying that token; stop at the first node without one. Every
+    committed token IS the target's decision at its node, so the output is distributed exactly
+    as plain decoding (sample-and-match; never min(1, p/q) on deterministic candidates).
+    Returns (accepted nodes, root first, ascending; committed tokens: the accepted nodes'
+    tokens plus the bonus, the decision at the deepest accepted node)."""
     node, path, out = 0, [0], []
     while True:
         token = target_token(node, out)
