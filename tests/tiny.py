@@ -6,35 +6,32 @@ from pathlib import Path
 
 import torch
 
+_TINY = dict(
+    hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None,
+    eos_token_id=None, pad_token_id=None,
+)
 
-def save_tiny_llama(path: Path, seed: int = 0, vocab_size: int = 64, **overrides) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = dict(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    cfg.update(overrides)
+def _save_tiny(family: str, path: Path, seed: int, **cfg) -> Path:
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(**{**_TINY, **cfg})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def save_tiny_llama(path: Path, seed: int = 0, vocab_size: int = 64, **overrides) -> Path:
+    return _save_tiny("Llama", path, seed,
+                      **{"vocab_size": vocab_size, "num_hidden_layers": 2, **overrides})
 
 
 def save_tiny_qwen3(path: Path, seed: int = 0, vocab_size: int = 64, **overrides) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = dict(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return _save_tiny("Qwen3", path, seed, **{"vocab_size": vocab_size,
+                                               "num_hidden_layers": 4, "head_dim": 8,
+                                               **overrides})
 
 
 def save_reference_drafter(
