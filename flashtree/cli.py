@@ -48,6 +48,28 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_args(chat)
     _add_sampling_args(chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model", nargs="?", default="default",
+                       help="'default', a Hugging Face dir or a .gguf file")
+    serve.add_argument("--draft", default=None, help="DFlash drafter directory")
+    serve.add_argument("--spec", default=None, choices=["none", "dflash", "ddtree"])
+    serve.add_argument("--block-size", type=int, default=None)
+    serve.add_argument("--tree-budget", type=int, default=None)
+    serve.add_argument("--topk-cap", type=int, default=None)
+    serve.add_argument("--tree-sampling", default="match", choices=["match", "rrs"])
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name clients send (default: the model argument)")
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=None)
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    serve.add_argument("--max-tokens-limit", type=int, default=4096,
+                       help="largest max_tokens a request may ask for")
+    serve.add_argument("--seed", type=int, default=0)
     train = sub.add_parser("train-drafter", help="train a DFlash drafter for a target model")
     train.add_argument("--target", default="default", help="target model (as --model)")
     train.add_argument("--out", required=True, help="output directory (z-lab DFlash format)")
@@ -81,6 +103,33 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-num-seqs", type=int, default=128,
                        help="batch size of the data generation")
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from flashtree import LLM
+    from flashtree.server.app import ServerConfig, ServerState, build_app, load_in_background
+
+    cfg = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                       max_request_bytes=args.max_request_bytes,
+                       max_tokens_limit=args.max_tokens_limit)
+    state = ServerState()
+
+    def make_llm():
+        return LLM(model=args.model, draft=args.draft, spec=args.spec,
+                   block_size=args.block_size, tree_budget=args.tree_budget,
+                   topk_cap=args.topk_cap, tree_sampling=args.tree_sampling,
+                   device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                   max_num_seqs=args.max_num_seqs, seed=args.seed)
+
+    load_in_background(state, make_llm)
+    # SIGTERM: uvicorn stops accepting connections and lets running requests finish.
+    uvicorn.run(build_app(cfg, state), host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=60)
+    if state.engine is not None:
+        state.engine.shutdown()
+    return 0
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
@@ -179,7 +228,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "chat": cmd_chat, "train-drafter": cmd_train_drafter}
+    handlers = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+                "train-drafter": cmd_train_drafter}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as e:

@@ -15,6 +15,7 @@ from flashtree.kv.cache import KVCache, PageTables
 from flashtree.sampling import penalize_rows, probabilities
 from flashtree.spec.dflash import ContextRows, DFlashProposer
 from flashtree.spec.rrs import GeneratorDraws, sample_spine_tree, walk_rrs
+from flashtree.spec.stats import SpecStats
 from flashtree.spec.tree import ancestor_mask, build_trees
 from flashtree.spec.verify import Candidates, walk
 
@@ -57,6 +58,7 @@ class SpeculativeDecoder:
     ) -> None:
         self.cfg, self.proposer, self.runner = cfg, proposer, runner
         self.cache, self.pages = cache, pages
+        self.stats = SpecStats()
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         """Returns the tokens each request commits (accepted drafts + the target's next one);
@@ -94,6 +96,7 @@ class SpeculativeDecoder:
             rows_kept = torch.tensor(path, device=features.device) + base
             injected.append(ContextRows(seq.seq_id, start, features[rows_kept]))
             committed.append(new)
+            self.stats.record(n - 1, len(path) - 1)
             base += n
         self.proposer.inject(injected)
         return committed

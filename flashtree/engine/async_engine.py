@@ -1,0 +1,152 @@
+"""AsyncEngine: one background thread owns the LLMEngine and steps it; asyncio callers submit
+requests and read per-request streams of deltas. Aborts (a client that went away) free the
+request's KV at the next step."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from flashtree.engine.llm_engine import LLMEngine
+from flashtree.engine.sequence import Sequence
+from flashtree.sampling import SamplingParams
+
+
+@dataclass
+class Delta:
+    """New output of one request since its previous delta (all tokens of one verify step)."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None  # the request failed; the message says why
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    deltas: asyncio.Queue
+    seq: Sequence | None = None
+    sent_tokens: int = 0
+    sent_text: str = ""
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_finish=None) -> None:
+        self.engine = engine
+        self.on_finish = on_finish  # called in the engine thread with (request, now)
+        self._inbox: queue.Queue = queue.Queue()
+        self._active: dict[int, _Request] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="flashtree-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API (event loop side)
+    async def generate(self, prompt_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[Delta]:
+        """Stream deltas of one request. Raises ValueError (before any delta) if the request
+        is invalid; cancelling the iteration aborts the request."""
+        req = _Request(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(("add", req))
+        self._wake.set()
+        first = await req.deltas.get()
+        if isinstance(first, Exception):
+            raise first
+        try:
+            while True:
+                delta = await req.deltas.get()
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            if req.seq is not None and not req.seq.is_finished:
+                self._inbox.put(("abort", req))
+                self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    # ------------------------------------------------------------------ engine thread
+    def _push(self, req: _Request, item) -> None:
+        req.loop.call_soon_threadsafe(req.deltas.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, req = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    req.seq = self.engine.add_request(req.prompt_ids, req.params)
+                except ValueError as e:
+                    self._push(req, e)
+                    continue
+                self._active[req.seq.seq_id] = req
+                self._push(req, "admitted")
+            elif req.seq is not None and req.seq.seq_id in self._active:
+                self.engine.abort(req.seq)
+                del self._active[req.seq.seq_id]
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                changed = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - fail the requests of this step, keep serving
+                self._fail_all(f"{type(e).__name__}: {e}")
+                continue
+            now = time.monotonic()
+            for seq in changed:
+                req = self._active.get(seq.seq_id)
+                if req is not None:
+                    self._emit(req, now)
+
+    def _emit(self, req: _Request, now: float) -> None:
+        seq = req.seq
+        assert seq is not None
+        if req.first_token is None:
+            req.first_token = now
+        if seq.is_finished:
+            text = seq.text
+        else:
+            text = self.engine.decode(seq).rstrip("\ufffd")
+            hold = max((len(s) - 1 for s in seq.params.stop_strings), default=0)
+            text = text[: len(text) - hold] if hold else text
+        delta_text = text[len(req.sent_text):] if text.startswith(req.sent_text) else ""
+        if not text.startswith(req.sent_text):
+            text = req.sent_text
+        tokens = seq.output_ids[req.sent_tokens:]
+        req.sent_text, req.sent_tokens = text, len(seq.output_ids)
+        self._push(req, Delta(delta_text, tokens, seq.is_finished, seq.finish_reason))
+        if seq.is_finished:
+            del self._active[seq.seq_id]
+            if self.on_finish is not None:
+                self.on_finish(req, now)
+
+    def _fail_all(self, message: str) -> None:
+        for req in list(self._active.values()):
+            assert req.seq is not None
+            self.engine.abort(req.seq)
+            self._push(req, Delta("", [], True, "abort", error=message))
+        self._active.clear()

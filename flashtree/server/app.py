@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP server (FastAPI). Bad requests get an OpenAI-style error object
+with a 4xx status that says what was wrong; the engine keeps serving everything else."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flashtree.engine.async_engine import AsyncEngine, Delta
+from flashtree.server.metrics import ServerMetrics
+from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = 1 << 20
+    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+
+
+@dataclass
+class ServerState:
+    """Filled in by the loader thread; `/health` is 503 until `engine` is set."""
+
+    engine: AsyncEngine | None = None
+    llm: object | None = None
+    load_error: str | None = None
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None):
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
+    app = FastAPI(title="flashtree", version="0.1.0")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, e: ApiError):
+        return _error(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req: Request, e: RequestValidationError):
+        problems = []
+        for err in e.errors():
+            where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            problems.append(f"{where or 'body'}: {err.get('msg')}")
+        return _error(400, "invalid request: " + "; ".join(problems))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, e: StarletteHTTPException):
+        return _error(e.status_code, str(e.detail))
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: Callable):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > cfg.max_request_bytes):
+            return _error(413, f"request body is larger than {cfg.max_request_bytes} bytes")
+        if cfg.api_key is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
+                return _error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                              code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.load_error is not None:
+            return _error(503, f"model failed to load: {state.load_error}")
+        if state.engine is None:
+            return _error(503, "model is loading")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if state.engine is not None:
+            state.metrics.refresh(state.engine.engine)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model",
+                                            "created": 0, "owned_by": "flashtree"}]}
+
+    def ready() -> AsyncEngine:
+        if state.engine is None:
+            raise ApiError(503, "model is loading; retry when /health answers 200")
+        return state.engine
+
+    def check(body) -> None:
+        if body.model != cfg.model_name:
+            raise ApiError(404, f"model {body.model!r} does not exist; available: "
+                                f"[{cfg.model_name!r}]", "model", "model_not_found")
+        if body.max_tokens is not None and body.max_tokens > cfg.max_tokens_limit:
+            raise ApiError(400, f"max_tokens={body.max_tokens} exceeds this server's limit "
+                                f"{cfg.max_tokens_limit}", "max_tokens")
+
+    def params_of(body, default_max_tokens):
+        try:
+            return body.sampling_params(default_max_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        engine = ready()
+        check(body)
+        tok = state.llm.tokenizer  # type: ignore[union-attr]
+        ids = tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        params = params_of(body, 16)
+        prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+        return await _respond(engine, ids, params, body, "text_completion", prefix)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        engine = ready()
+        check(body)
+        tok = state.llm.tokenizer  # type: ignore[union-attr]
+        try:
+            ids = tok.apply_chat_template([m.model_dump() for m in body.messages])
+        except Exception as e:  # noqa: BLE001 - a template error is the request's problem
+            raise ApiError(400, f"chat template failed on these messages: {e}") from None
+        params = params_of(body, None)
+        return await _respond(engine, ids, params, body, "chat.completion", "")
+
+    async def _respond(engine: AsyncEngine, ids, params, body, kind: str, prefix: str):
+        stream = engine.generate(ids, params)
+        try:
+            first = await anext(stream)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(stream, first, rid, created, kind, cfg.model_name, len(ids), include_usage,
+                     prefix),
+                media_type="text/event-stream")
+        text, tokens, delta = prefix, [], first
+        while True:
+            if delta.error:
+                raise ApiError(500, f"request failed: {delta.error}")
+            text += delta.text
+            tokens += delta.token_ids
+            if delta.finished:
+                break
+            delta = await anext(stream)
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                 "total_tokens": len(ids) + len(tokens)}
+        if kind == "chat.completion":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": delta.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": delta.finish_reason,
+                      "logprobs": None}
+        return {"id": rid, "object": kind, "created": created, "model": cfg.model_name,
+                "choices": [choice], "usage": usage}
+
+    return app
+
+
+async def _sse(stream: AsyncIterator[Delta], first: Delta, rid: str, created: int, kind: str,
+               model: str, prompt_tokens: int, include_usage: bool, prefix: str):
+    """Server-sent events: one chunk per delta (a verify step's tokens arrive together)."""
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    completion_tokens = 0
+
+    def event(choices, usage=None) -> str:
+        body = {"id": rid, "object": chunk_kind, "created": created, "model": model,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    if kind == "chat.completion":
+        yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                      "finish_reason": None}])
+    elif prefix:
+        yield event([{"index": 0, "text": prefix, "finish_reason": None}])
+    delta = first
+    try:
+        async for chunk in _sse_chunks(stream, delta, kind, event):
+            completion_tokens += chunk[1]
+            yield chunk[0]
+    finally:
+        await stream.aclose()  # a client that went away aborts the request and frees its KV
+    if include_usage:
+        yield event([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens})
+    yield "data: [DONE]\n\n"
+
+
+async def _sse_chunks(stream: AsyncIterator[Delta], delta: Delta, kind: str, event):
+    """(event text, tokens in it) for each delta until the request finishes."""
+    while True:
+        if delta.error:
+            err = {"error": {"message": f"request failed: {delta.error}", "type": "server_error"}}
+            yield f"data: {json.dumps(err)}\n\n", 0
+            return
+        reason = delta.finish_reason if delta.finished else None
+        if kind == "chat.completion":
+            content = {"content": delta.text} if delta.text else {}
+            choice = {"index": 0, "delta": content, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta.text, "finish_reason": reason}
+        if delta.text or reason:
+            yield event([choice]), len(delta.token_ids)
+        else:
+            yield "", len(delta.token_ids)
+        if delta.finished:
+            return
+        delta = await anext(stream)
+
+
+def load_in_background(state: ServerState, make_llm: Callable[[], object]) -> threading.Thread:
+    """Load and warm the model off the server thread; /health turns 200 when done."""
+
+    def run() -> None:
+        try:
+            from flashtree import SamplingParams
+
+            llm = make_llm()
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+            state.llm = llm
+            state.engine = AsyncEngine(llm.engine, on_finish=state.metrics.observe_finished)
+        except Exception as e:  # noqa: BLE001 - reported on /health and in the log
+            state.load_error = f"{type(e).__name__}: {e}"
+            print(f"flashtree: model failed to load: {state.load_error}", flush=True)
+
+    thread = threading.Thread(target=run, name="flashtree-loader", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,22 @@
+"""Speculative decoding counters, named after vLLM's spec-decode metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0  # verify rounds (one per request per speculative step)
+    num_draft_tokens: int = 0  # candidate tokens verified (tree nodes or chain drafts)
+    num_accepted_tokens: int = 0  # candidates accepted (the bonus token not counted)
+    accepted_per_pos: list[int] = field(default_factory=list)  # [depth - 1] -> accepted
+
+    def record(self, num_candidates: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_candidates
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_accepted:
+            self.accepted_per_pos += [0] * (num_accepted - len(self.accepted_per_pos))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1

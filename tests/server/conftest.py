@@ -1,0 +1,78 @@
+"""A real `flashtree serve` process on loopback, serving a tiny random Llama that carries the
+default model's real tokenizer and chat template (fast on CPU, real text handling)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.tiny import save_reference_drafter, save_tiny_llama
+
+API_KEY = "test-key"
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    from flashtree.models.registry import default_model_path
+    from flashtree.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_chat")
+    tok = Tokenizer.load(default_model_path())
+    save_tiny_llama(path, seed=3, vocab_size=len(tok.hf), initializer_range=0.2,
+                    eos_token_id=tok.eos_token_id)
+    tok.hf.save_pretrained(path)
+    drafter = save_reference_drafter(tmp_path_factory.mktemp("tiny_drafter"), path,
+                                     block_size=4)
+    return path, drafter
+
+
+@pytest.fixture(scope="session")
+def server(tiny_chat_model):
+    """(base_url, process) of a speculative (ddtree) server with an API key."""
+    model, drafter = tiny_chat_model
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flashtree", "serve", str(model), "--draft", str(drafter),
+         "--served-model-name", MODEL, "--port", str(port), "--api-key", API_KEY,
+         "--device", "cpu", "--max-model-len", "256", "--max-tokens-limit", "200",
+         "--max-request-bytes", "20000", "--max-num-seqs", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not become healthy")
+    yield base, proc
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0)

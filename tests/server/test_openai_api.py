@@ -1,0 +1,102 @@
+"""The server through the official `openai` client: chat and completions, streaming identical
+to non-streaming at temperature 0, usage counts, seeds, the API key, and metrics that move."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY, MODEL
+
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def _stream_text(stream) -> tuple[str, object, str]:
+    parts, usage, reason = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = getattr(choice, "delta", None)
+            parts.append(piece.content or "" if piece is not None else choice.text or "")
+            reason = choice.finish_reason or reason
+    return "".join(parts), usage, reason
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_stream_equals_non_stream_with_usage(client, tiny_chat_model):
+    from transformers import AutoTokenizer
+
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                          temperature=0)
+    text, usage, reason = _stream_text(client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert text == full.choices[0].message.content
+    assert reason == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model[0])
+    prompt = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert full.usage.prompt_tokens == len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+
+def test_completion_stream_equals_non_stream_and_length(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    text, _, reason = _stream_text(client.completions.create(stream=True, **kw))
+    assert text == full.choices[0].text and reason == "length"
+    assert full.usage.completion_tokens == 20
+
+
+def test_seeds_reproduce_and_differ(client):
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=16, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    b = client.completions.create(seed=7, **kw).choices[0].text
+    c = client.completions.create(seed=8, **kw).choices[0].text
+    assert a == b and a != c
+
+
+def test_stop_string(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=30, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+
+
+def test_api_key_is_enforced(server):
+    base = server[0]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(f"{base}/v1/completions", json=body).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert httpx.post(f"{base}/v1/completions", json=body, headers=wrong).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="nope", max_retries=0).models.list()
+    ok = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(f"{base}/v1/completions", json=body, headers=ok).status_code == 200
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def test_metrics_counters_move(client, server):
+    base = server[0]
+    before = {n: _metric(base, n) for n in (
+        "flashtree:generation_tokens_total", "flashtree:spec_decode_num_drafts",
+        "flashtree:e2e_request_latency_seconds_count", "flashtree:spec_decode_num_draft_tokens")}
+    client.completions.create(model=MODEL, prompt="Count", max_tokens=12, temperature=0,
+                              extra_body={"ignore_eos": True})
+    for name, value in before.items():
+        assert _metric(base, name) > value, name
+    assert _metric(base, "flashtree:kv_cache_usage_perc") == 0.0
