@@ -38,10 +38,10 @@ def tiny_chat_model(tmp_path_factory):
     return path, drafter
 
 
-@pytest.fixture(scope="session")
-def server(tiny_chat_model):
-    """(base_url, process) of a speculative (ddtree) server with an API key."""
-    model, drafter = tiny_chat_model
+def start_server(model, drafter, statuses: list[int] | None = None
+                 ) -> tuple[str, subprocess.Popen]:
+    """Start `flashtree serve` the way users do and wait until /health answers 200 (every
+    /health status seen on the way is appended to `statuses`)."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "flashtree", "serve", str(model), "--draft", str(drafter),
@@ -54,15 +54,25 @@ def server(tiny_chat_model):
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            status = httpx.get(f"{base}/health", timeout=2).status_code
+            if statuses is not None:
+                statuses.append(status)
+            if status == 200:
                 break
         except httpx.HTTPError:
             pass
         assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.5)
+        time.sleep(0.1)
     else:
         proc.kill()
         raise RuntimeError("server did not become healthy")
+    return base, proc
+
+
+@pytest.fixture(scope="session")
+def server(tiny_chat_model):
+    """(base_url, process) of a speculative (ddtree) server with an API key."""
+    base, proc = start_server(*tiny_chat_model)
     yield base, proc
     proc.terminate()
     try:
