@@ -245,3 +245,48 @@ def test_ddtree_budget_raises_acceptance(small_pair):
         mean[budget] = sum(lengths) / len(lengths)
     assert mean[24] > mean[1] * 1.2
     assert math.isfinite(mean[24])
+
+
+def test_surrogate_objective_equals_expected_acceptance():
+    """sum over tree nodes of q(u) equals E_{y ~ Q}[longest accepted prefix] (Monte Carlo)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 3, 4, generator=gen) * 1.5
+    trees = build_trees(logits, torch.tensor([0]), budget=9)
+    q = torch.softmax(logits[0].double(), -1)
+    paths = set(_tree_prefixes(trees, 0).values()) - {()}
+    surrogate = sum(math.prod(float(q[i, t]) for i, t in enumerate(p)) for p in paths)
+    samples = torch.multinomial(q, 200_000, replacement=True, generator=gen).T  # [M, L]
+    alpha = torch.zeros(samples.shape[0])
+    alive = torch.ones(samples.shape[0], dtype=torch.bool)
+    for d in range(1, 4):
+        prefix_in = torch.tensor([tuple(row[:d].tolist()) in paths for row in samples])
+        alive &= prefix_in
+        alpha += alive
+    se = alpha.std() / math.sqrt(len(alpha))
+    assert abs(alpha.mean() - surrogate) < 3 * se + 1e-9
+
+
+def test_tree_forced_to_a_chain_equals_dflash(small_pair):
+    target, drafter = small_pair
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    chain = LLM(model=str(target), draft=str(drafter), spec="dflash", device="cpu",
+                skip_tokenizer_init=True).generate(PROMPTS, sp)
+    forced = LLM(model=str(target), draft=str(drafter), spec="ddtree", tree_budget=7,
+                 topk_cap=1, device="cpu", skip_tokenizer_init=True).generate(PROMPTS, sp)
+    for a, b in zip(chain, forced):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        # Identical steps until the chain's last blocks shrink near max_tokens.
+        assert a.outputs[0].spec_accept_lengths[:20] == b.outputs[0].spec_accept_lengths[:20]
+
+
+def test_ddtree_accepts_at_least_the_chain(small_pair):
+    target, drafter = small_pair
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    means = {}
+    for spec in ("dflash", "ddtree"):
+        llm = LLM(model=str(target), draft=str(drafter), spec=spec, device="cpu",
+                  skip_tokenizer_init=True)
+        lengths = [x for o in llm.generate(PROMPTS, sp) for x in o.outputs[0].spec_accept_lengths]
+        means[spec] = sum(lengths) / len(lengths)
+        assert llm.engine.pages.num_free == llm.engine.pages.num_pages
+    assert means["ddtree"] >= means["dflash"]
