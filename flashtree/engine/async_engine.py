@@ -138,7 +138,8 @@ class AsyncEngine:
             text = req.sent_text
         tokens = seq.output_ids[req.sent_tokens:]
         req.sent_text, req.sent_tokens = text, len(seq.output_ids)
-        self._push(req, Delta(delta_text, tokens, seq.is_finished, seq.finish_reason))
+        self._push(req, Delta(delta_text, tokens, seq.is_finished, seq.finish_reason,
+                              error=seq.error))
         if seq.is_finished:
             del self._active[seq.seq_id]
             if self.on_finish is not None:

@@ -3,6 +3,7 @@ scheduled forward (plain or speculative) and returns the sequences that got new 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -157,16 +158,28 @@ class LLMEngine:
             greedy = logits.argmax(dim=-1).tolist()  # one device sync for the batch
         for i, c in enumerate(sampling):
             seq = c.seq
-            token = greedy[i] if greedy is not None else sample_token(
-                logits[i], seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
-            self._append(seq, [token], record=c.decode)
+            with self._isolated(seq):
+                token = greedy[i] if greedy is not None else sample_token(
+                    logits[i], seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+                self._append(seq, [token], record=c.decode)
         return [c.seq for c in sampling]
+
+    @contextlib.contextmanager
+    def _isolated(self, seq: Sequence):
+        """An exception while finishing one request's step fails that request only."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - reported on the request, the batch goes on
+            seq.error = f"{type(e).__name__}: {e}"
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
 
     def _speculative_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
         assert self.speculative is not None
         seqs = [c.seq for c in chunks]
         for seq, new in zip(seqs, self.speculative.step(seqs)):
-            self._append(seq, new, record=True)
+            with self._isolated(seq):
+                self._append(seq, new, record=True)
         return seqs
 
     # ------------------------------------------------------------------ finishing

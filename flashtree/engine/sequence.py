@@ -28,6 +28,7 @@ class Sequence:
     # Tokens of prompt_ids + output_ids whose KV is in the cache. Reset to 0 on preemption.
     num_computed: int = 0
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
     text: str = ""  # detokenized output, cut at a stop string when one matched
     spec_accept_lengths: list[int] = field(default_factory=list)
     num_preemptions: int = 0

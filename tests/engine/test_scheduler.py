@@ -72,3 +72,23 @@ def test_plain_decoding_accept_lengths_are_one(tiny_dir):
                                                               ignore_eos=True))[0].outputs[0]
     assert out.spec_accept_lengths == [1] * 5
     assert out.finish_reason == "length"
+
+
+def test_an_exception_in_one_request_fails_only_that_request(tiny_dir, monkeypatch):
+    import flashtree.engine.llm_engine as llm_engine
+
+    llm = _llm(tiny_dir)
+    real = llm_engine.sample_token
+
+    def flaky(logits, params, *args):
+        if params.seed == 13:
+            raise RuntimeError("boom")
+        return real(logits, params, *args)
+
+    monkeypatch.setattr(llm_engine, "sample_token", flaky)
+    params = [SamplingParams(temperature=1.0, max_tokens=6, seed=s, ignore_eos=True)
+              for s in (12, 13, 14)]
+    outs = llm.generate(_prompts(3), params)
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert [len(o.outputs[0].token_ids) for o in (outs[0], outs[2])] == [6, 6]
+    assert llm.engine.pages.num_free == llm.engine.pages.num_pages
