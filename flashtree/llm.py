@@ -119,18 +119,13 @@ class LLM:
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         """Generate for one tokenized prompt, yielding text as it becomes final."""
-        tok = self._require_tokenizer()
+        self._require_tokenizer()
         seq = self.engine.add_request(prompt_ids, params)
         sent = ""
         try:
             while not seq.is_finished:
                 self.engine.step()
-                text = seq.text if seq.is_finished else tok.decode(seq.output_ids)
-                # Hold back an incomplete UTF-8 sequence and a possible stop-string prefix.
-                if not seq.is_finished:
-                    text = text.rstrip("\ufffd")
-                    hold = max((len(s) - 1 for s in params.stop_strings), default=0)
-                    text = text[: len(text) - hold] if hold else text
+                text = self.engine.stream_text(seq)
                 if len(text) > len(sent) and text.startswith(sent):
                     yield text[len(sent):]
                     sent = text

@@ -127,17 +127,11 @@ class AsyncEngine:
         assert seq is not None
         if req.first_token is None:
             req.first_token = now
-        if seq.is_finished:
-            text = seq.text
-        else:
-            text = self.engine.decode(seq).rstrip("\ufffd")
-            hold = max((len(s) - 1 for s in seq.params.stop_strings), default=0)
-            text = text[: len(text) - hold] if hold else text
-        delta_text = text[len(req.sent_text):] if text.startswith(req.sent_text) else ""
-        if not text.startswith(req.sent_text):
-            text = req.sent_text
+        text, delta_text = self.engine.stream_text(seq), ""
+        if text.startswith(req.sent_text):  # text already sent never changes
+            delta_text, req.sent_text = text[len(req.sent_text):], text
         tokens = seq.output_ids[req.sent_tokens:]
-        req.sent_text, req.sent_tokens = text, len(seq.output_ids)
+        req.sent_tokens = len(seq.output_ids)
         self._push(req, Delta(delta_text, tokens, seq.is_finished, seq.finish_reason,
                               error=seq.error))
         if seq.is_finished:

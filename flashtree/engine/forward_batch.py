@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +40,6 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] int64
     attn: AttentionMetadata
     logit_rows: torch.Tensor  # [num_scored] int64, rows of the packed tokens to score
-    row_counts: list[int] = field(default_factory=list)  # scored rows per item, in order
 
     @staticmethod
     def build(
@@ -52,7 +51,6 @@ class ForwardBatch:
         positions: list[int] = []
         slots: list[int] = []
         rows: list[int] = []
-        counts: list[int] = []
         starts = [0]
         for it in items:
             n = len(it.tokens)
@@ -66,7 +64,6 @@ class ForwardBatch:
             scored = range(first, first + n) if it.all_logits else [first + n - 1]
             scored = scored if it.wants_logits else []
             rows += scored
-            counts.append(len(scored))
             starts.append(len(ids))
         tables = [pages.table(it.seq_id) for it in items]
         width = max(len(t) for t in tables)
@@ -100,4 +97,4 @@ class ForwardBatch:
             causal=causal,
             sliding_window=sliding_window,
         )
-        return ForwardBatch(mode, tensor(ids), tensor(positions), attn, tensor(rows), counts)
+        return ForwardBatch(mode, tensor(ids), tensor(positions), attn, tensor(rows))

@@ -214,6 +214,15 @@ class LLMEngine:
             seq.text = self.decode(seq)
         return seq.is_finished
 
+    def stream_text(self, seq: Sequence) -> str:
+        """The part of the output text that is final: all of it once finished; before that,
+        without a trailing incomplete UTF-8 character or a possible stop-string prefix."""
+        if seq.is_finished:
+            return seq.text
+        text = self.decode(seq).rstrip("\ufffd")
+        hold = max((len(s) - 1 for s in seq.params.stop_strings), default=0)
+        return text[: len(text) - hold] if hold else text
+
     def decode(self, seq: Sequence) -> str:
         assert self.tokenizer is not None, "decode needs a tokenizer"
         return self.tokenizer.decode(seq.output_ids, seq.params.skip_special_tokens)

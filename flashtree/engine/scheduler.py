@@ -106,7 +106,6 @@ class Scheduler:
         self.running.remove(seq)
         self.pages.free(seq.seq_id)
         seq.num_computed = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

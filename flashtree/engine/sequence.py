@@ -31,7 +31,6 @@ class Sequence:
     error: str | None = None  # why the request failed (finish_reason "error")
     text: str = ""  # detokenized output, cut at a stop string when one matched
     spec_accept_lengths: list[int] = field(default_factory=list)
-    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
