@@ -76,7 +76,6 @@ class LLM:
         if spec != "none":
             assert draft is not None
             self.drafter = load_dflash_drafter(draft, self.dtype, self.device)
-            self.drafter.cfg.check_target(self.model_config)
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.load(path)
         limit = self.model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
