@@ -114,11 +114,14 @@ class SpeculativeDecoder:
             [(s.seq_id, s.num_computed, s.output_ids[-1], b) for s, b in drafted]
         ) if drafted else None
         rows: dict[int, torch.Tensor] = {}  # seq_id -> [b - 1, V] draft logits
-        offset = 0
-        for s, b in drafted:
-            assert logits is not None
-            rows[s.seq_id] = logits[offset : offset + b - 1]
-            offset += b - 1
+        greedy: dict[int, list[int]] = {}  # seq_id -> the b - 1 argmax drafts
+        if logits is not None:
+            argmax = logits.argmax(dim=-1).tolist()  # one device sync for the batch
+            offset = 0
+            for s, b in drafted:
+                rows[s.seq_id] = logits[offset : offset + b - 1]
+                greedy[s.seq_id] = argmax[offset : offset + b - 1]
+                offset += b - 1
         plans: list[_Planned | None] = [None] * len(seqs)
         deterministic_trees = []
         for i, s in enumerate(seqs):
@@ -126,7 +129,7 @@ class SpeculativeDecoder:
             if draft is not None and cfg.tree_sampling == "rrs" and not s.params.greedy:
                 plans[i] = self._sampled(s, draft)
             elif draft is None or cfg.method == "dflash":
-                drafts = [] if draft is None else draft.argmax(dim=-1).tolist()
+                drafts = greedy.get(s.seq_id, [])
                 plans[i] = _Planned(Candidates.chain(s.output_ids[-1], drafts),
                                     list(range(len(drafts) + 1)), None)
             else:
