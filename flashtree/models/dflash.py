@@ -22,7 +22,7 @@ from flashtree.attention.backend import AttentionBackend
 from flashtree.config import ModelConfig
 from flashtree.layers.norm import RMSNorm
 from flashtree.layers.rotary import RotaryEmbedding, apply_rotary
-from flashtree.models.llama import DecoderLayer
+from flashtree.models.llama import STACKED, DecoderLayer
 from flashtree.models.loader import iter_safetensors, safetensors_files
 
 # Fields of later drafter families (DFlash2 conv/selector, speculators vocab maps) whose models
@@ -202,9 +202,9 @@ class DFlashDraftModel(nn.Module):
         norm.weight. Unknown or missing tensors are errors that name them."""
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
-        stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
-                   "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
-                   "up_proj": ("gate_up_proj", 1)}
+        # Checkpoint leaf name -> (stacked module leaf, part), from the target's own table.
+        stacked = {src.rpartition(".")[2]: (dst.rpartition(".")[2], part)
+                   for src, (dst, part) in STACKED.items()}
         expected = {n for n in params}
         expected_shards = {}
         loaded, unknown = set(), []

@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
 
 
 # HF checkpoint name suffix -> (module attribute path suffix, shard index) for stacked weights.
-_STACKED = {
+STACKED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
@@ -136,7 +136,7 @@ class DecoderModel(nn.Module):
                 continue
             module_path, _, kind = name.rpartition(".")
             shard = 0
-            for suffix, (target, index) in _STACKED.items():
+            for suffix, (target, index) in STACKED.items():
                 if module_path.endswith(suffix):
                     module_path, shard = module_path[: -len(suffix)] + target, index
             module = modules.get(module_path)
@@ -159,7 +159,7 @@ class DecoderModel(nn.Module):
         """Checkpoint names (without the `model.` prefix) this model needs, stacked weights
         listed under their separate HF names."""
         unstack: dict[str, list[str]] = {}
-        for hf_suffix, (target, _) in _STACKED.items():
+        for hf_suffix, (target, _) in STACKED.items():
             unstack.setdefault(target, []).append(hf_suffix)
         names = []
         for name, _ in self.named_parameters():
