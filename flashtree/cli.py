@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="built-in prompts to use when --prompts is not given")
     train.add_argument("--max-new-tokens", type=int, default=256,
                        help="length of the target's regenerated responses")
+    train.add_argument("--self-instruct", type=int, default=0,
+                       help="also ask the target to write this many prompts itself")
+    train.add_argument("--sampled-fraction", type=float, default=0.0,
+                       help="share of responses sampled at temperature 1 instead of greedy")
+    train.add_argument("--data", default=None,
+                       help="examples file (.npz): loaded if it exists, else written after "
+                            "generation so later runs can reuse it")
     train.add_argument("--steps", type=int, default=2000)
     train.add_argument("--batch-size", type=int, default=16)
     train.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
@@ -133,12 +140,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    import time
-    from pathlib import Path
 
     from flashtree import LLM
-    from flashtree.train.drafter import TrainConfig, generate_examples, train_drafter
-    from flashtree.train.prompts import training_prompts, vocabulary_words
+    from flashtree.train.drafter import TrainConfig, train_drafter
 
     cfg = TrainConfig(
         block_size=args.block_size, num_layers=args.layers,
@@ -150,20 +154,57 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     )
     llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs)
-    if args.prompts:
-        prompts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
-    else:
-        words = vocabulary_words(llm.tokenizer) if llm.tokenizer is not None else None
-        prompts = training_prompts(args.num_prompts, seed=args.seed, words=words)
-    prompts = list(dict.fromkeys(prompts))  # greedy responses to a repeated prompt add nothing
-    start = time.time()
-    examples = generate_examples(llm, prompts, args.max_new_tokens)
-    tokens = sum(len(e.tokens) - e.response_start for e in examples)
-    print(f"generated {len(examples)} responses ({tokens} tokens) in {time.time() - start:.0f}s",
-          file=sys.stderr)
+    examples = _distillation_data(llm, args)
     train_drafter(llm, examples, args.out, cfg)
     print(f"drafter written to {args.out}", file=sys.stderr)
     return 0
+
+
+def _distillation_data(llm, args: argparse.Namespace) -> list:
+    """Training examples: loaded from --data when that file exists, else the target's own
+    responses (greedy, a --sampled-fraction at temperature 1) to --prompts or the built-in set
+    plus --self-instruct prompts the target writes; saved to --data when given."""
+    import random
+    import time
+    from pathlib import Path
+
+    from flashtree.train.drafter import (
+        generate_examples,
+        load_examples,
+        save_examples,
+        self_instruct_prompts,
+    )
+    from flashtree.train.prompts import self_instruct_requests, training_prompts, vocabulary_words
+
+    if not 0.0 <= args.sampled_fraction <= 1.0:
+        raise SystemExit(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
+    if args.data and Path(args.data).exists():
+        examples = load_examples(args.data)
+        print(f"loaded {len(examples)} examples from {args.data}", file=sys.stderr)
+        return examples
+    start = time.time()
+    words = vocabulary_words(llm.tokenizer) if llm.tokenizer is not None else None
+    if args.prompts:
+        prompts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+    else:
+        prompts = training_prompts(args.num_prompts, seed=args.seed, words=words)
+    if args.self_instruct and words:
+        requests = self_instruct_requests(args.self_instruct, args.seed, words)
+        written = self_instruct_prompts(llm, requests, seed=args.seed)
+        print(f"the target wrote {len(written)} prompts in {time.time() - start:.0f}s",
+              file=sys.stderr)
+        prompts += written
+    prompts = list(dict.fromkeys(prompts))  # greedy responses to a repeated prompt add nothing
+    rng = random.Random(args.seed)
+    temps = [1.0 if rng.random() < args.sampled_fraction else 0.0 for _ in prompts]
+    examples = generate_examples(llm, prompts, args.max_new_tokens, temperature=temps,
+                                 seed=args.seed)
+    tokens = sum(len(e.tokens) - e.response_start for e in examples)
+    print(f"generated {len(examples)} responses ({tokens} tokens) in {time.time() - start:.0f}s",
+          file=sys.stderr)
+    if args.data:
+        save_examples(args.data, examples)
+    return examples
 
 
 def _sampling_params(args: argparse.Namespace):

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +29,7 @@ from flashtree.llm import LLM
 from flashtree.models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from flashtree.models.llama import DecoderModel
 from flashtree.sampling import SamplingParams
+from flashtree.train.prompts import first_line_prompt
 
 _TIMING_STEPS = 20  # steps timed before a time budget fixes the run's length
 
@@ -68,21 +70,55 @@ class Example:
 
 
 # ---------------------------------------------------------------------- data
-def generate_examples(
-    llm: LLM, prompts: list[str] | list[list[int]], max_new_tokens: int, chat: bool = True,
-    temperature: float = 0.0,
-) -> list[Example]:
-    """The target's own responses to `prompts` (target-aligned distillation data)."""
-    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=0)
+def _encode_prompts(llm: LLM, prompts: list[str] | list[list[int]], chat: bool) -> list[list[int]]:
     if chat and prompts and isinstance(prompts[0], str):
         assert llm.tokenizer is not None, "chat prompts need a tokenizer"
-        encoded = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                   for p in prompts]
-    else:
-        encoded = [llm._encode(p) for p in prompts]
-    outs = llm.generate(encoded, params)
+        return [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                for p in prompts]
+    return [llm._encode(p) for p in prompts]
+
+
+def generate_examples(
+    llm: LLM, prompts: list[str] | list[list[int]], max_new_tokens: int, chat: bool = True,
+    temperature: float | list[float] = 0.0, seed: int = 0,
+) -> list[Example]:
+    """The target's own responses to `prompts` (target-aligned distillation data), at one
+    temperature or one per prompt; request i samples with seed `seed + i`."""
+    temps = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
+    params = [SamplingParams(temperature=t, max_tokens=max_new_tokens, seed=seed + i)
+              for i, t in enumerate(temps)]
+    outs = llm.generate(_encode_prompts(llm, prompts, chat), params)
     return [Example(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids))
             for o in outs if len(o.outputs[0].token_ids) >= 2]
+
+
+def self_instruct_prompts(
+    llm: LLM, requests: list[str], max_new_tokens: int = 64, temperature: float = 0.7,
+    seed: int = 0,
+) -> list[str]:
+    """Prompts written by the target itself in reply to `requests` (see
+    `prompts.self_instruct_requests`): the first line of each reply, repeats dropped."""
+    params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i)
+              for i in range(len(requests))]
+    outs = llm.generate(_encode_prompts(llm, requests, chat=True), params)
+    found = (first_line_prompt(o.outputs[0].text) for o in outs)
+    return list(dict.fromkeys(p for p in found if p))
+
+
+def save_examples(path: str | Path, examples: list[Example]) -> None:
+    """All examples in one compressed file: flat tokens, per-example lengths and starts."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(
+        path, tokens=np.fromiter((t for ex in examples for t in ex.tokens), dtype=np.int32),
+        lengths=np.array([len(ex.tokens) for ex in examples], dtype=np.int64),
+        response_start=np.array([ex.response_start for ex in examples], dtype=np.int64))
+
+
+def load_examples(path: str | Path) -> list[Example]:
+    data = np.load(path)
+    bounds = np.concatenate([[0], np.cumsum(data["lengths"])])
+    return [Example(data["tokens"][a:b].tolist(), int(r))
+            for a, b, r in zip(bounds[:-1], bounds[1:], data["response_start"])]
 
 
 # ---------------------------------------------------------------------- model setup
@@ -222,35 +258,37 @@ def block_loss(
         chosen = sorted(rng.sample(candidates, min(a, len(candidates))))
         anchors[i, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
         valid_anchor[i, : len(chosen)] = True
-    j = torch.arange(b)
+    anchors, valid_anchor = anchors.to(device), valid_anchor.to(device)
+    tokens, lengths = tokens.to(device), lengths.to(device)
+    j = torch.arange(b, device=device)
     pos = anchors[:, :, None] + j  # [S, A, B]
-    ids = torch.full((s, a, b), draft.cfg.mask_token_id, dtype=torch.long)
+    ids = torch.full((s, a, b), draft.cfg.mask_token_id, dtype=torch.long, device=device)
     ids[:, :, 0] = tokens.gather(1, anchors)
     labels = tokens.gather(1, pos.clamp(max=t + b - 1).view(s, -1)).view(s, a, b)
     weight = torch.exp(-(j - 1).clamp(min=0) / gamma) * (j >= 1)
     supervised = (pos < lengths[:, None, None]) & valid_anchor[:, :, None] & (j >= 1)
     # Visibility: context positions < anchor (and inside the sequence); own block only.
     q_anchor = anchors[:, :, None].expand(s, a, b).reshape(s, a * b)
-    ctx_visible = torch.arange(t)[None, None, :] < q_anchor[:, :, None]
-    block_of = torch.arange(a * b) // b
+    ctx_visible = torch.arange(t, device=device)[None, None, :] < q_anchor[:, :, None]
+    block_of = torch.arange(a * b, device=device) // b
     own_block = block_of[:, None] == block_of[None, :]
     mask = torch.cat([ctx_visible, own_block.expand(s, -1, -1)], dim=2)[:, None]
 
     ctx_pos = torch.arange(t, device=device).repeat(s)
     ctx_kv = [(k.view(s, t, *k.shape[1:]), v.view(s, t, *v.shape[1:]))
               for k, v in draft.context_kv(features.view(s * t, -1), ctx_pos)]
-    attn = BlockAttention(ctx_kv, mask.to(device), (s, a * b))
-    embeds = target.embed_tokens(ids.view(-1).to(device)).float()
-    hidden = draft(embeds, pos.view(-1).to(device), [attn] * len(draft.layers))
+    attn = BlockAttention(ctx_kv, mask, (s, a * b))
+    embeds = target.embed_tokens(ids.view(-1)).float()
+    hidden = draft(embeds, pos.view(-1), [attn] * len(draft.layers))
     hidden = hidden.view(s, a, b, -1)[:, :, 1:]  # slots 1..B-1
     logits = draft.logits(hidden.to(target.lm_head.weight.dtype), target.lm_head)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, :, 1:].reshape(-1)
-                         .to(device), reduction="none").view(s, a, b - 1)
-    w = (weight[1:] * supervised[:, :, 1:]).to(device)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, :, 1:].reshape(-1),
+                         reduction="none").view(s, a, b - 1)
+    w = weight[1:] * supervised[:, :, 1:]
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():
-        first = supervised[:, :, 1].to(device)
-        hit = (logits[:, :, 0].argmax(-1) == labels[:, :, 1].to(device)) & first
+        first = supervised[:, :, 1]
+        hit = (logits[:, :, 0].argmax(-1) == labels[:, :, 1]) & first
         acc = float(hit.sum() / first.sum().clamp(min=1))
     return loss, acc
 
@@ -296,7 +334,9 @@ def train_drafter(
         chosen = [examples[order.pop()] for _ in range(batch)]
         width_b = max(len(ex.tokens) for ex in chosen)
         features = target_features(runner, chosen, width_b).clone()
-        loss, acc = block_loss(draft, target, chosen, features, cfg, rng)
+        # bf16 compute on GPUs, fp32 master weights and optimizer state.
+        with torch.autocast("cuda", torch.bfloat16, enabled=features.is_cuda):
+            loss, acc = block_loss(draft, target, chosen, features, cfg, rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)

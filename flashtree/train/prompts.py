@@ -5,6 +5,7 @@ elsewhere (benchmarks/) and are never drawn from these templates."""
 from __future__ import annotations
 
 import random
+import re
 
 _TOPICS = [
     "the water cycle", "photosynthesis", "black holes", "the French revolution", "volcanoes",
@@ -99,6 +100,38 @@ def vocabulary_words(tokenizer, limit: int = 20000) -> list[str]:
         if word and word.isalpha() and word.islower() and 5 <= len(word) <= 12:
             words.append(word)
     return sorted(words)[:limit]
+
+
+_SELF_INSTRUCT = [
+    "Write one question that a curious person might ask an assistant about {w}.",
+    "Write one short programming task that involves {w}.",
+    "Write one short math word problem about {w}.",
+    "Write one request that a user might send to a helpful assistant about {w}.",
+    "Write one question a student might ask about {w}.",
+    "Write one instruction asking for a short text about {w}.",
+]
+_SELF_INSTRUCT_SUFFIX = " Reply with it only, in one line."
+
+
+def self_instruct_requests(n: int, seed: int, words: list[str]) -> list[str]:
+    """Requests asking the target to write a prompt itself (about a vocabulary word), so the
+    training prompts are not limited to the variety of hand-written templates."""
+    rng = random.Random(seed)
+    return [rng.choice(_SELF_INSTRUCT).format(w=rng.choice(words)) + _SELF_INSTRUCT_SUFFIX
+            for _ in range(n)]
+
+
+_LIST_MARKER = re.compile(r"^(\d+[.)]|[-*\u2022]|(question|task|problem|request):)\s*", re.I)
+
+
+def first_line_prompt(text: str, min_chars: int = 12) -> str | None:
+    """The prompt in a target's reply to a self-instruct request: its first non-empty line,
+    without list markers or quotes; None when that line is too short to be a prompt."""
+    for line in text.splitlines():
+        line = _LIST_MARKER.sub("", line.strip()).strip().strip('"\'').strip()
+        if line:
+            return line if len(line) >= min_chars else None
+    return None
 
 
 def training_prompts(n: int, seed: int = 0, words: list[str] | None = None) -> list[str]:
