@@ -115,10 +115,11 @@ def save_examples(path: str | Path, examples: list[Example]) -> None:
 
 
 def load_examples(path: str | Path) -> list[Example]:
-    data = np.load(path)
-    bounds = np.concatenate([[0], np.cumsum(data["lengths"])])
-    return [Example(data["tokens"][a:b].tolist(), int(r))
-            for a, b, r in zip(bounds[:-1], bounds[1:], data["response_start"])]
+    with np.load(path) as data:  # each item access decompresses: read every array once
+        tokens, lengths, starts = data["tokens"], data["lengths"], data["response_start"]
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return [Example(tokens[a:b].tolist(), int(r))
+            for a, b, r in zip(bounds[:-1], bounds[1:], starts)]
 
 
 # ---------------------------------------------------------------------- model setup
