@@ -1,9 +1,11 @@
-"""Command line: `flashtree generate` and `flashtree chat` on any supported model."""
+"""Command line: `flashtree generate | chat | serve | bench | train-drafter`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from flashtree.bench.cli import add_bench_parser, cmd_bench
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-tokens-limit", type=int, default=4096,
                        help="largest max_tokens a request may ask for")
     serve.add_argument("--seed", type=int, default=0)
+    add_bench_parser(sub)
     train = sub.add_parser("train-drafter", help="train a DFlash drafter for a target model")
     train.add_argument("--target", default="default", help="target model (as --model)")
     train.add_argument("--out", required=True, help="output directory (z-lab DFlash format)")
@@ -92,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", default=None,
                        help="examples file (.npz): loaded if it exists, else written after "
                             "generation so later runs can reuse it")
+    train.add_argument("--val-examples", type=int, default=64,
+                       help="examples held out to log validation loss and accuracy (0: none)")
     train.add_argument("--steps", type=int, default=2000)
     train.add_argument("--batch-size", type=int, default=16)
     train.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
@@ -140,10 +145,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-
     from flashtree import LLM
     from flashtree.train.drafter import TrainConfig, train_drafter
 
+    llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
+              max_num_seqs=args.max_num_seqs)
+    examples = _distillation_data(llm, args)
     cfg = TrainConfig(
         block_size=args.block_size, num_layers=args.layers,
         target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
@@ -151,10 +158,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         anchors=args.anchors, lr=args.lr, save_every=args.save_every, seed=args.seed,
         log_every=args.log_every, init_from=args.init_from, time_budget=args.time_budget,
         max_shard_mb=args.max_shard_mb,
+        val_examples=min(args.val_examples, len(examples) // 10),  # at most a tenth
     )
-    llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
-              max_num_seqs=args.max_num_seqs)
-    examples = _distillation_data(llm, args)
     train_drafter(llm, examples, args.out, cfg)
     print(f"drafter written to {args.out}", file=sys.stderr)
     return 0
@@ -270,7 +275,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-                "train-drafter": cmd_train_drafter}
+                "train-drafter": cmd_train_drafter, "bench": cmd_bench}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as e:

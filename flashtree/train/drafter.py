@@ -31,7 +31,9 @@ from flashtree.models.llama import DecoderModel
 from flashtree.sampling import SamplingParams
 from flashtree.train.prompts import first_line_prompt
 
-_TIMING_STEPS = 20  # steps timed before a time budget fixes the run's length
+# A time budget fixes the run's length from the speed of steps WARMUP..TIMED (the first steps
+# pay one-time costs: allocator growth, kernel selection).
+_TIMING_WARMUP, _TIMING_STEPS = 10, 30
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class TrainConfig:
     seed: int = 0
     init_from_target: bool = True  # start draft layers from the target's last layers
     init_from: str | None = None  # continue training a drafter saved earlier (same geometry)
+    val_examples: int = 0  # examples held out to log validation loss/accuracy (overfitting)
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -306,6 +309,13 @@ def train_drafter(
     if not examples:
         raise ValueError("no training examples: every generated response was shorter than 2")
     width = max(len(ex.tokens) for ex in examples)
+    val: list[Example] = []
+    if cfg.val_examples:
+        if cfg.val_examples >= len(examples):
+            raise ValueError(f"val_examples={cfg.val_examples} leaves no training examples "
+                             f"out of {len(examples)}")
+        shuffled = random.Random(cfg.seed + 1).sample(examples, len(examples))
+        val, examples = shuffled[: cfg.val_examples], shuffled[cfg.val_examples :]
     batch = min(cfg.batch_size, len(examples))
     page = 16
     pages = PageTables(batch * (-(-width // page)), page)
@@ -345,18 +355,25 @@ def train_drafter(
         sched.step()
         running.append((loss.item(), acc))
         bar.update(1)
+        if step + 1 == _TIMING_WARMUP:
+            warmed = time.time()
         if cfg.time_budget is not None and step + 1 == _TIMING_STEPS:
             # Shrink the run (and its cosine schedule) to what the time budget allows.
-            per_step = (time.time() - start) / _TIMING_STEPS
-            total = max(_TIMING_STEPS + 1, min(cfg.steps, int(cfg.time_budget / per_step)))
+            per_step = (time.time() - warmed) / (_TIMING_STEPS - _TIMING_WARMUP)
+            left = (cfg.time_budget - (time.time() - start)) / per_step
+            total = max(_TIMING_STEPS + 1, min(cfg.steps, _TIMING_STEPS + int(left)))
             warm = max(1, int(cfg.warmup * total))
             bar.total = total
             _log(bar, f"{per_step:.3f}s per step: training {total} steps")
         if (step + 1) % cfg.log_every == 0 or step + 1 == total:
             mean_loss = sum(x for x, _ in running) / len(running)
             mean_acc = sum(y for _, y in running) / len(running)
-            _log(bar, f"step {step + 1}/{total} loss {mean_loss:.4f} acc@1 {mean_acc:.3f} "
-                 f"lr {sched.get_last_lr()[0]:.2e} {time.time() - start:.0f}s")
+            line = (f"step {step + 1}/{total} loss {mean_loss:.4f} acc@1 {mean_acc:.3f} "
+                    f"lr {sched.get_last_lr()[0]:.2e} {time.time() - start:.0f}s")
+            if val:
+                val_loss, val_acc = _validate(draft, target, runner, val, cfg, batch)
+                line += f" | val loss {val_loss:.4f} acc@1 {val_acc:.3f}"
+            _log(bar, line)
             running = []
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_drafter(draft, hf_cfg, out_dir, cfg.max_shard_mb)
@@ -364,6 +381,21 @@ def train_drafter(
     bar.close()
     save_drafter(draft, hf_cfg, out_dir, cfg.max_shard_mb)
     return draft.eval()
+
+
+@torch.no_grad()
+def _validate(draft: DFlashDraftModel, target: DecoderModel, runner: ModelRunner,
+              val: list[Example], cfg: TrainConfig, batch: int) -> tuple[float, float]:
+    """Mean loss and slot-1 accuracy on the held-out examples (same anchors every time)."""
+    rng = random.Random(cfg.seed)
+    results = []
+    for i in range(0, len(val), batch):
+        chosen = val[i : i + batch]
+        features = target_features(runner, chosen, max(len(ex.tokens) for ex in chosen))
+        with torch.autocast("cuda", torch.bfloat16, enabled=features.is_cuda):
+            loss, acc = block_loss(draft, target, chosen, features, cfg, rng)
+        results.append((loss.item(), acc))
+    return (sum(x for x, _ in results) / len(results), sum(y for _, y in results) / len(results))
 
 
 def save_drafter(

@@ -19,7 +19,7 @@ def _train(*args: str) -> str:
                           "default", "--steps", "2", "--batch-size", "2", "--anchors", "4",
                           "--layers", "1", *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    return run.stderr
+    return run.stdout + run.stderr
 
 
 def test_cli_generates_saves_and_reuses_distillation_data(tmp_path, default_llm):
@@ -32,8 +32,9 @@ def test_cli_generates_saves_and_reuses_distillation_data(tmp_path, default_llm)
     for ex in examples:
         assert 2 <= len(ex.tokens) - ex.response_start <= 12
         assert max(ex.tokens) < default_llm.model_config.vocab_size
-    log = _train("--out", str(tmp_path / "b"), "--data", str(data))
+    log = _train("--out", str(tmp_path / "b"), "--data", str(data), "--log-every", "1")
     assert f"loaded {len(examples)} examples" in log and "generated" not in log
+    assert "| val loss" in log  # a tenth of the examples is held out for validation
     llm = LLM(model="default", draft=str(tmp_path / "b"), spec="dflash")
     assert llm.engine.speculative is not None and llm.engine.speculative.cfg.block_size == 16
 
