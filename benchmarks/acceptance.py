@@ -13,11 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from eval_prompts import eval_sets  # noqa: E402
-
-from flashtree import LLM, SamplingParams  # noqa: E402
+from flashtree import LLM, SamplingParams
+from flashtree.bench.prompt_sets import eval_sets
 
 
 def mean_accept(outs) -> tuple[float, int]:

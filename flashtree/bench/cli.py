@@ -1,0 +1,164 @@
+"""`flashtree bench` (in-process sweep over methods x concurrencies) and `flashtree bench
+serving` (the same metrics over HTTP against any OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+from flashtree.bench.datasets import NAMED, check_dataset_name, load_dataset
+from flashtree.bench.metrics import summarize
+from flashtree.bench.report import add_speedups, read_rows, write_report, write_rows
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", default="chat",
+                   help=f"comma list of {', '.join(NAMED)} or FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per run")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64],
+                   help="comma list of in-flight request limits")
+    p.add_argument("--random-input-len", type=int, default=128,
+                   help="prompt tokens of the random dataset")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default=None, help="where results and the report go")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmark methods x concurrencies (in process), or "
+                                         "`bench serving` against an HTTP server")
+    bench.add_argument("--model", default="default")
+    bench.add_argument("--draft", default=None, help="DFlash drafter (needed by dflash/ddtree)")
+    bench.add_argument("--spec", default="none,dflash,ddtree", help="comma list of methods")
+    bench.add_argument("--block-size", type=int, default=None)
+    bench.add_argument("--tree-budget", type=int, default=None)
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    _add_load_args(bench)
+    modes = bench.add_subparsers(dest="bench_mode")
+    serving = modes.add_parser("serving", help="measure an OpenAI-compatible server over HTTP")
+    serving.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    serving.add_argument("--model", required=True, dest="served_model",
+                         help="model name the server expects")
+    serving.add_argument("--label", default="server",
+                         help="method name in the results (use 'none' for a plain-decoding "
+                              "baseline: later labels in the same --output-dir get speedups)")
+    serving.add_argument("--request-rate", type=float, default=float("inf"),
+                         help="Poisson arrivals per second (default: all at once)")
+    serving.add_argument("--api-key", default=None)
+    serving.add_argument("--vocab-size", type=int, default=32000,
+                         help="token ids of the random dataset are drawn below this")
+    _add_load_args(serving)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="bench", dynamic_ncols=True)
+
+
+def _header(args: argparse.Namespace, what: str) -> list[str]:
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return [f"- command: `flashtree {shlex.join(sys.argv[1:])}`", f"- date: {now}",
+            f"- machine: {platform.machine()}, {platform.system()}; {what}",
+            f"- {args.num_prompts} prompts per run, max_tokens {args.max_tokens}, temperature "
+            f"{args.temperature}"]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.output_dir is None:
+        raise ValueError("--output-dir DIR is required (results.jsonl, report.md, plots)")
+    for name in args.dataset.split(","):
+        check_dataset_name(name)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.bench_mode == "serving":
+        return _bench_serving(args, out)
+    return _bench_offline(args, out)
+
+
+def _bench_offline(args: argparse.Namespace, out: Path) -> int:
+    import torch
+
+    from flashtree import LLM
+    from flashtree.bench.offline import run_offline
+
+    specs = [s for s in args.spec.split(",") if s]
+    unknown = [s for s in specs if s not in ("none", "dflash", "ddtree")]
+    if unknown:
+        raise ValueError(f"unknown --spec {unknown}; allowed: none, dflash, ddtree")
+    if any(s != "none" for s in specs) and args.draft is None:
+        raise ValueError("--spec dflash/ddtree need --draft DIR (or use --spec none)")
+    datasets = [d for d in args.dataset.split(",") if d]
+    bar = _progress(len(specs) * len(datasets) * len(args.concurrency) * args.num_prompts,
+                    not args.no_progress)
+    rows = []
+    device = None
+    for spec in specs:
+        llm = LLM(model=args.model, draft=None if spec == "none" else args.draft, spec=spec,
+                  block_size=args.block_size, tree_budget=args.tree_budget, device=args.device,
+                  dtype=args.dtype, max_num_seqs=max(args.concurrency), seed=args.seed)
+        device = llm.device
+        for name in datasets:
+            prompts = load_dataset(name, args.num_prompts, args.seed,
+                                   llm.model_config.vocab_size, args.random_input_len)
+            run_offline(llm, prompts[:2], 2, 4)  # warm-up: first-call costs stay out
+            for c in args.concurrency:
+                records, duration = run_offline(llm, prompts, c, args.max_tokens,
+                                                args.temperature, args.seed, bar.update)
+                rows.append({"dataset": name, "spec": spec, "concurrency": c,
+                             **summarize(records, duration)})
+        del llm
+    bar.close()
+    add_speedups(rows)
+    write_rows(out / "results.jsonl", rows)
+    what = f"device {device}, {torch.get_num_threads()} threads; model {args.model}" + (
+        f", draft {args.draft}" if args.draft else "")
+    files = write_report(out, rows, _header(args, what))
+    print("\n".join(str(f) for f in [out / "results.jsonl", *files]), file=sys.stderr)
+    return 0
+
+
+def _bench_serving(args: argparse.Namespace, out: Path) -> int:
+    from flashtree.bench.serving import run_serving
+
+    datasets = [d for d in args.dataset.split(",") if d]
+    bar = _progress(len(datasets) * len(args.concurrency) * args.num_prompts,
+                    not args.no_progress)
+    rows = [r for r in read_rows(out / "results.jsonl") if r["spec"] != args.label]
+    for name in datasets:
+        prompts = load_dataset(name, args.num_prompts, args.seed, args.vocab_size,
+                               args.random_input_len)
+        for c in args.concurrency:
+            records, duration, accept = asyncio.run(run_serving(
+                args.base_url, args.served_model, prompts, c, args.max_tokens,
+                args.temperature, args.request_rate, args.seed, args.api_key, bar.update))
+            failed = [r.error for r in records if r.error]
+            if failed:
+                print(f"{len(failed)} requests failed, first: {failed[0]}", file=sys.stderr)
+            rows.append({"dataset": name, "spec": args.label, "concurrency": c,
+                         "request_rate": args.request_rate, **summarize(records, duration, accept)})
+    bar.close()
+    add_speedups(rows)
+    write_rows(out / "results.jsonl", rows)
+    files = write_report(out, rows, _header(args, f"server {args.base_url} ({args.served_model})"))
+    print("\n".join(str(f) for f in [out / "results.jsonl", *files]), file=sys.stderr)
+    return 0

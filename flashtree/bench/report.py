@@ -1,0 +1,114 @@
+"""results.jsonl, report.md and PNG plots of a benchmark sweep."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """speedup_vs_none: output throughput over that of `none` on the same dataset and
+    concurrency (None when no such baseline row exists)."""
+    base = {(r["dataset"], r["concurrency"]): r["output_throughput"]
+            for r in rows if r["spec"] == "none"}
+    for r in rows:
+        b = base.get((r["dataset"], r["concurrency"]))
+        r["speedup_vs_none"] = r["output_throughput"] / b if b else None
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _fmt(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def write_report(out_dir: Path, rows: list[dict], header: list[str]) -> list[Path]:
+    """report.md (one table per dataset, slower-than-`none` rows flagged) and the plots;
+    returns the files written."""
+    lines = ["# flashtree bench", "", *header, ""]
+    slower = []
+    written = [out_dir / "report.md"]
+    by_dataset: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_dataset[r["dataset"]].append(r)
+    for dataset, drows in by_dataset.items():
+        lines += [f"## {dataset}", "",
+                  "| spec | concurrency | output tok/s | req/s | TTFT mean / p99 ms | "
+                  "TPOT mean / p99 ms | E2E mean ms | accept length | speedup vs none |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in sorted(drows, key=lambda r: (r["spec"] != "none", r["spec"], r["concurrency"])):
+            speed = r.get("speedup_vs_none")
+            flag = ""
+            if speed is not None and speed < 1 and r["spec"] != "none":
+                flag = " **slower than none**"
+                slower.append(f"{dataset}: {r['spec']} at concurrency {r['concurrency']} "
+                              f"({speed:.2f}x)")
+            lines.append(
+                f"| {r['spec']} | {r['concurrency']} | {_fmt(r['output_throughput'])} | "
+                f"{_fmt(r['request_throughput'], 2)} | {_fmt(r['mean_ttft_ms'])} / "
+                f"{_fmt(r['p99_ttft_ms'])} | {_fmt(r['mean_tpot_ms'])} / {_fmt(r['p99_tpot_ms'])}"
+                f" | {_fmt(r['mean_e2e_ms'])} | {_fmt(r['accept_length'], 2)} | "
+                f"{_fmt(speed, 2)}{flag} |")
+        lines.append("")
+        written += _plots(out_dir, dataset, drows)
+        lines += [f"![throughput]({p.name})" for p in written[-2:-1]]
+        lines += [f"![acceptance]({p.name})" for p in written[-1:]]
+        lines.append("")
+    lines += ["## Where speculation is slower than `none`", ""]
+    lines += [f"- {s}" for s in slower] or ["- nowhere in this sweep"]
+    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+    return written
+
+
+def _plots(out_dir: Path, dataset: str, rows: list[dict]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stem = dataset.replace("/", "_").replace(".", "_")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for spec in sorted({r["spec"] for r in rows}):
+        pts = sorted((r["concurrency"], r["output_throughput"]) for r in rows
+                     if r["spec"] == spec)
+        ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=spec)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"throughput vs concurrency ({dataset})")
+    ax.legend()
+    fig.tight_layout()
+    throughput = out_dir / f"throughput_{stem}.png"
+    fig.savefig(throughput, dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    specs = sorted({r["spec"] for r in rows})
+    width = 0.8 / max(1, len(specs))
+    for j, spec in enumerate(specs):
+        hist: Counter = Counter()
+        for r in rows:
+            if r["spec"] == spec:
+                hist.update({int(k): v for k, v in r["accept_length_histogram"].items()})
+        total = sum(hist.values()) or 1
+        ks = sorted(hist)
+        ax.bar([k + j * width for k in ks], [hist[k] / total for k in ks], width=width,
+               label=spec)
+    ax.set_xlabel("tokens committed per target forward")
+    ax.set_ylabel("share of forwards")
+    ax.set_title(f"acceptance length ({dataset}, all concurrencies)")
+    ax.legend()
+    fig.tight_layout()
+    accept = out_dir / f"accept_hist_{stem}.png"
+    fig.savefig(accept, dpi=100)
+    plt.close(fig)
+    return [throughput, accept]

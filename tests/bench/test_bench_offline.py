@@ -1,0 +1,119 @@
+"""`flashtree bench` in process on a tiny chat model with a drafter: every method x concurrency
+row is written with sane values, the report flags and the plots exist, and the metric
+arithmetic matches hand-computed values."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flashtree import LLM
+from flashtree.bench.datasets import load_dataset
+from flashtree.bench.metrics import RequestRecord, summarize
+from flashtree.bench.offline import run_offline
+
+REQUIRED = ["spec", "concurrency", "output_throughput", "request_throughput", "mean_ttft_ms",
+            "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+            "mean_e2e_ms", "accept_length", "accept_length_histogram", "speedup_vs_none"]
+PROMPTS, MAX_TOKENS = 6, 8
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny_chat_model, tmp_path_factory):
+    model, drafter = tiny_chat_model
+    out = tmp_path_factory.mktemp("bench")
+    run = subprocess.run(
+        [sys.executable, "-m", "flashtree", "bench", "--model", str(model), "--draft",
+         str(drafter), "--spec", "none,dflash,ddtree", "--dataset", "random,chat",
+         "--random-input-len", "12", "--num-prompts", str(PROMPTS), "--max-tokens",
+         str(MAX_TOKENS), "--concurrency", "1,3", "--device", "cpu", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return out, rows
+
+
+def test_every_method_and_concurrency_has_a_complete_row(sweep):
+    _, rows = sweep
+    assert sorted((r["dataset"], r["spec"], r["concurrency"]) for r in rows) == sorted(
+        (d, s, c) for d in ("random", "chat") for s in ("none", "dflash", "ddtree")
+        for c in (1, 3))
+    for r in rows:
+        assert all(k in r for k in REQUIRED), [k for k in REQUIRED if k not in r]
+        assert r["completed"] == PROMPTS and r["failed"] == 0
+        assert 0 < r["mean_ttft_ms"] <= r["mean_e2e_ms"]
+        assert 0 < r["mean_tpot_ms"] <= r["p99_tpot_ms"] * 1.0001
+        assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration_s"])
+        hist = {int(k): v for k, v in r["accept_length_histogram"].items()}
+        assert r["accept_length"] == pytest.approx(
+            sum(k * v for k, v in hist.items()) / sum(hist.values()))
+        if r["spec"] == "none":
+            assert r["accept_length"] == 1.0 and set(hist) == {1}
+            assert r["speedup_vs_none"] == 1.0
+        else:
+            assert r["accept_length"] >= 1.0 and r["speedup_vs_none"] > 0
+        if r["dataset"] == "random":  # ignore_eos: every request runs to max_tokens
+            assert r["total_output_tokens"] == PROMPTS * MAX_TOKENS
+            # the first token comes from the prefill; every later one from a counted forward
+            assert sum(k * v for k, v in hist.items()) == PROMPTS * (MAX_TOKENS - 1)
+
+
+def test_report_flags_slow_methods_and_plots_exist(sweep):
+    out, rows = sweep
+    report = (out / "report.md").read_text()
+    assert "## random" in report and "## chat" in report and "flashtree bench" in report
+    slower = [r for r in rows if r["speedup_vs_none"] < 1]
+    assert report.count("**slower than none**") == len(slower)
+    for name in ("throughput_random.png", "accept_hist_random.png", "throughput_chat.png",
+                 "accept_hist_chat.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"({name})" in report
+
+
+def test_tpot_lies_within_the_per_token_gaps(tiny_chat_model):
+    model, drafter = tiny_chat_model
+    llm = LLM(model=str(model), draft=str(drafter), spec="ddtree", device="cpu")
+    prompts = load_dataset("random", 5, vocab_size=llm.model_config.vocab_size,
+                           random_input_len=10)
+    records, duration = run_offline(llm, prompts, concurrency=2, max_tokens=MAX_TOKENS)
+    assert len(records) == 5 and duration > 0
+    for rec in records:
+        assert rec.ok and rec.num_output == MAX_TOKENS and rec.end == rec.chunks[-1][0]
+        # TPOT is the token-weighted mean of the per-token gaps between chunks
+        gaps = [(b - a) / n for (a, _), (b, n) in zip(rec.chunks, rec.chunks[1:])]
+        assert min(gaps) * 0.9999 <= rec.tpot <= max(gaps) * 1.0001
+        assert rec.start < rec.chunks[0][0]
+
+
+def test_summary_matches_hand_computed_values():
+    a = RequestRecord(start=0.0, prompt_tokens=5, chunks=[(0.5, 1), (0.7, 2), (1.1, 1)],
+                      end=1.1, accept_lengths=[2, 1])
+    b = RequestRecord(start=1.0, prompt_tokens=3, chunks=[(1.2, 1), (1.6, 1)], end=1.6,
+                      accept_lengths=[1])
+    failed = RequestRecord(start=0.0, prompt_tokens=4, error="boom")
+    row = summarize([a, b, failed], duration=2.0)
+    assert row["completed"] == 2 and row["failed"] == 1
+    assert row["total_output_tokens"] == 6 and row["output_throughput"] == 3.0
+    assert row["request_throughput"] == 1.0 and row["total_input_tokens"] == 8
+    assert row["mean_ttft_ms"] == pytest.approx((500 + 200) / 2)
+    assert row["mean_tpot_ms"] == pytest.approx((600 / 3 + 400 / 1) / 2)
+    assert row["median_itl_ms"] == pytest.approx(400)  # gaps 200, 400, 400
+    assert row["mean_e2e_ms"] == pytest.approx((1100 + 600) / 2)
+    assert row["accept_length"] == pytest.approx(4 / 3)
+    assert row["accept_length_histogram"] == {"1": 2, "2": 1}
+
+
+def test_bad_dataset_and_missing_draft_are_named(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "flashtree", "bench", "--output-dir",
+                               str(tmp_path), *args], capture_output=True, text=True,
+                              timeout=300)
+
+    bad = run("--spec", "none", "--dataset", "nope")
+    assert bad.returncode == 2 and "unknown dataset 'nope'" in bad.stderr
+    assert "humaneval" in bad.stderr
+    nodraft = run("--spec", "none,ddtree")
+    assert nodraft.returncode == 2 and "--draft" in nodraft.stderr
