@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-tokens-limit", type=int, default=4096,
                        help="largest max_tokens a request may ask for")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp",
+                       help="tensor-parallel ranks (one process each; GPUs 0..N-1 on CUDA)")
     add_bench_parser(sub)
     train = sub.add_parser("train-drafter", help="train a DFlash drafter for a target model")
     train.add_argument("--target", default="default", help="target model (as --model)")
@@ -133,14 +135,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    block_size=args.block_size, tree_budget=args.tree_budget,
                    topk_cap=args.topk_cap, tree_sampling=args.tree_sampling,
                    device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                   max_num_seqs=args.max_num_seqs, seed=args.seed)
+                   max_num_seqs=args.max_num_seqs, seed=args.seed,
+                   tensor_parallel_size=args.tp)
 
     load_in_background(state, make_llm)
     # SIGTERM: uvicorn stops accepting connections and lets running requests finish.
-    uvicorn.run(build_app(cfg, state), host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=60)
+    server = uvicorn.Server(uvicorn.Config(build_app(cfg, state), host=args.host, port=args.port,
+                                           log_level="info", timeout_graceful_shutdown=60))
+    state.stop_server = lambda: setattr(server, "should_exit", True)
+    server.run()
     if state.engine is not None:
         state.engine.shutdown()
+    if state.llm is not None:
+        state.llm.shutdown()
+    if state.fatal is not None:
+        print(f"error: {state.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 

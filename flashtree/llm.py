@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import inspect
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
 import torch
 
 from flashtree.config import CacheConfig, SchedulerConfig, parse_dtype
+from flashtree.distributed.tp import TPDriverEngine, TPGroup
 from flashtree.engine.llm_engine import EngineArgs, LLMEngine
 from flashtree.engine.sequence import Sequence
 from flashtree.engine.speculative import TREE_SAMPLING_MODES
@@ -43,6 +46,7 @@ class LLM:
         page_size: int = 16,
         kv_cache_pages: int | None = None,
         max_num_batched_tokens: int = 1024,
+        _tp_member: bool = False,  # internal: a TP worker rank building its shard
     ) -> None:
         if spec is None:
             spec = "none" if draft is None else "ddtree"
@@ -62,13 +66,37 @@ class LLM:
                 f"tree_sampling={tree_sampling!r} is not supported; allowed: "
                 f"{list(TREE_SAMPLING_MODES)}"
             )
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} is not supported yet; allowed: 1"
-            )
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         del enforce_eager  # CUDA graphs come with the GPU fast path
         self.spec = spec
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._tp: TPGroup | None = None
+        if tensor_parallel_size > 1 and not _tp_member:
+            # Every rank builds its shard from the same arguments.
+            worker_kwargs = {k: v for k, v in locals().items() if k in _INIT_ARGS}
+            self._tp = TPGroup.start(tensor_parallel_size, worker_kwargs, self.device.type)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda:0")
+        try:
+            self._build(model, draft, spec, block_size, tree_budget, topk_cap, dtype,
+                        max_model_len, max_num_seqs, skip_tokenizer_init, seed, tree_sampling,
+                        page_size, kv_cache_pages, max_num_batched_tokens)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self._tp is not None:
+            self.engine = TPDriverEngine(self.engine, self._tp)
+            atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (no-op without tensor parallelism)."""
+        if self._tp is not None:
+            self._tp.shutdown()
+
+    def _build(self, model, draft, spec, block_size, tree_budget, topk_cap, dtype, max_model_len,
+               max_num_seqs, skip_tokenizer_init, seed, tree_sampling, page_size,
+               kv_cache_pages, max_num_batched_tokens) -> None:
         self.dtype = parse_dtype(dtype, self.device)
         path = resolve_model_path(model)
         self.model, self.model_config = load_model(path, self.dtype, self.device)
@@ -183,6 +211,9 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give 1 or {n}")
         return params
+
+
+_INIT_ARGS = frozenset(inspect.signature(LLM.__init__).parameters) - {"self", "_tp_member"}
 
 
 def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:

@@ -1,26 +1,69 @@
-"""Tensor-parallel state. World size 1 until the TP issue wires torch.distributed in; layers
-already read their rank and size from here so they shard without being rewritten."""
+"""Tensor-parallel state over torch.distributed (gloo on CPU, NCCL on GPUs). Layers read their
+rank and the group size from here when they are built, so one model class serves every TP size;
+with no group (the default) everything is rank 0 of 1 and the collectives are no-ops."""
 
 from __future__ import annotations
 
+import datetime
+
 import torch
+import torch.distributed as dist
+
+_RANK, _SIZE = 0, 1
+
+
+def init_tp(rank: int, size: int, backend: str, init_method: str, timeout_s: float = 300) -> None:
+    """Join the TP group (one process per rank). `init_method` is a torch.distributed URL:
+    tcp://host:port, or env:// under torchrun."""
+    global _RANK, _SIZE
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _RANK, _SIZE = rank, size
+
+
+def destroy_tp() -> None:
+    global _RANK, _SIZE
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _RANK, _SIZE = 0, 1
 
 
 def get_tp_rank() -> int:
-    return 0
+    return _RANK
 
 
 def get_tp_size() -> int:
-    return 1
+    return _SIZE
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum partial results of row-parallel layers across the TP group."""
-    assert get_tp_size() == 1, "tensor parallelism is not wired in yet"
+    if _SIZE == 1:
+        return x
+    dist.all_reduce(x)
     return x
 
 
 def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate vocab shards of the LM head along the last dimension."""
-    assert get_tp_size() == 1, "tensor parallelism is not wired in yet"
-    return x
+    """Concatenate the ranks' slices (e.g. vocab shards of the LM head) along the last dim."""
+    if _SIZE == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_SIZE)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def tp_broadcast_object(obj=None):
+    """Rank 0's `obj` on every rank (the driver's per-step commands)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def tp_min(value: int, device: torch.device) -> int:
+    """The smallest of the ranks' `value`s (e.g. KV pages, so all ranks schedule alike)."""
+    if _SIZE == 1:
+        return value
+    t = torch.tensor([value], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from flashtree.distributed.tp import WorkerDied
 from flashtree.engine.llm_engine import LLMEngine
 from flashtree.engine.sequence import Sequence
 from flashtree.sampling import SamplingParams
@@ -41,9 +42,11 @@ class _Request:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_finish=None) -> None:
+    def __init__(self, engine: LLMEngine, on_finish=None, on_fatal=None) -> None:
         self.engine = engine
         self.on_finish = on_finish  # called in the engine thread with (request, now)
+        self.on_fatal = on_fatal  # called with the message when the engine cannot go on
+        self.fatal: str | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._active: dict[int, _Request] = {}
         self._wake = threading.Event()
@@ -56,6 +59,8 @@ class AsyncEngine:
                        ) -> AsyncIterator[Delta]:
         """Stream deltas of one request. Raises ValueError (before any delta) if the request
         is invalid; cancelling the iteration aborts the request."""
+        if self.fatal is not None:
+            raise RuntimeError(f"the engine stopped: {self.fatal}")
         req = _Request(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(("add", req))
         self._wake.set()
@@ -113,6 +118,12 @@ class AsyncEngine:
                 continue
             try:
                 changed = self.engine.step()
+            except WorkerDied as e:  # a tensor-parallel rank is gone: nothing can run any more
+                self.fatal = str(e)
+                self._fail_all(self.fatal)
+                if self.on_fatal is not None:
+                    self.on_fatal(self.fatal)
+                return
             except Exception as e:  # noqa: BLE001 - fail the requests of this step, keep serving
                 self._fail_all(f"{type(e).__name__}: {e}")
                 continue

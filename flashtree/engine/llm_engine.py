@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from flashtree.config import CacheConfig, ModelConfig, SchedulerConfig
+from flashtree.distributed import tp_min
 from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.scheduler import ScheduledChunk, Scheduler
@@ -54,10 +55,11 @@ class LLMEngine:
         if drafter is not None:
             d = drafter.layers[0].self_attn
             bytes_per_token += 2 * len(drafter.layers) * d.num_kv_heads * d.head_dim
-        num_pages = args.cache.resolve_num_pages(
+        # Every TP rank must schedule alike: all take the smallest rank's page count.
+        num_pages = tp_min(args.cache.resolve_num_pages(
             args.scheduler.max_num_seqs, args.scheduler.max_model_len,
             bytes_per_token * args.dtype.itemsize, args.device,
-        )
+        ), args.device)
         self.cache = KVCache(
             model_cfg.num_layers, num_pages, args.cache.page_size, kv_heads, model_cfg.head_dim,
             args.dtype, args.device,
@@ -101,7 +103,6 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        seq_id = next(self._ids)
         total = max_len if params.max_tokens is None else min(
             max_len, len(prompt_ids) + params.max_tokens
         )
@@ -111,6 +112,7 @@ class LLMEngine:
                 f"and {self.lookahead} speculative) but the pool holds only "
                 f"{self.pages.num_pages * self.args.cache.page_size}; lower max_tokens"
             )
+        seq_id = next(self._ids)  # only accepted requests take an id (TP ranks replay adds)
         seed = params.seed if params.seed is not None else hash((self.args.seed, seq_id))
         generator = torch.Generator(self.args.device).manual_seed(seed % (1 << 63))
         seq = Sequence(seq_id, list(prompt_ids), params, generator, total)

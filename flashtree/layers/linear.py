@@ -27,13 +27,20 @@ def _check_full_shape(loaded: torch.Tensor, expected: tuple[int, ...], name: str
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W split along the output dimension; optionally several logical
-    outputs stacked in one matrix (q/k/v or gate/up), each sharded on its own."""
+    outputs stacked in one matrix (q/k/v or gate/up), each sharded on its own. A logical output
+    with `replicas[i] > 1` is split into tp / replicas[i] parts only, each held by that many
+    consecutive ranks (GQA with fewer KV heads than ranks)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 replicas: list[int] | None = None) -> None:
         super().__init__()
         tp = get_tp_size()
-        assert all(s % tp == 0 for s in out_sizes), f"{out_sizes} not divisible by tp={tp}"
-        self.shard_sizes = [s // tp for s in out_sizes]
+        self.replicas = replicas or [1] * len(out_sizes)
+        parts = [tp // r for r in self.replicas]
+        assert all(tp % r == 0 for r in self.replicas), f"replicas {self.replicas}, tp={tp}"
+        assert all(s % n == 0 for s, n in zip(out_sizes, parts)), (
+            f"{out_sizes} not divisible into {parts} parts (tp={tp})")
+        self.shard_sizes = [s // n for s, n in zip(out_sizes, parts)]
         self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(out_sizes))]
         out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
@@ -42,10 +49,11 @@ class ColumnParallelLinear(nn.Module):
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         """Copy this rank's rows of logical output `shard` from the full tensor `loaded`."""
         size, offset = self.shard_sizes[shard], self.shard_offsets[shard]
+        replicas = self.replicas[shard]
         target = self.weight if loaded.dim() == 2 else self.bias
         assert target is not None, f"{name}: checkpoint has a bias this layer does not"
-        _check_full_shape(loaded, (size * get_tp_size(), *target.shape[1:]), name)
-        rows = loaded.narrow(0, get_tp_rank() * size, size)
+        _check_full_shape(loaded, (size * get_tp_size() // replicas, *target.shape[1:]), name)
+        rows = loaded.narrow(0, get_tp_rank() // replicas * size, size)
         _copy_checked(target.data.narrow(0, offset, size), rows, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

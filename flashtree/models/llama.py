@@ -27,11 +27,19 @@ class Attention(nn.Module):
         tp = get_tp_size()
         self.layer = layer
         self.head_dim = cfg.head_dim
+        if cfg.num_heads % tp or (tp % cfg.num_kv_heads if cfg.num_kv_heads < tp
+                                  else cfg.num_kv_heads % tp):
+            raise ValueError(
+                f"tensor parallel size {tp} does not fit {cfg.num_heads} attention heads and "
+                f"{cfg.num_kv_heads} KV heads: heads must divide by it, and KV heads divide "
+                "by it or it by them")
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = max(1, cfg.num_kv_heads // tp)
+        kv_replicas = max(1, tp // cfg.num_kv_heads)  # ranks sharing one KV head
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias
+            cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias,
+            replicas=[1, kv_replicas, kv_replicas],
         )
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None

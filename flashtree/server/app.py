@@ -37,6 +37,8 @@ class ServerState:
     engine: AsyncEngine | None = None
     llm: object | None = None
     load_error: str | None = None
+    fatal: str | None = None  # the engine stopped for good (a tensor-parallel worker died)
+    stop_server: Callable[[], None] | None = None  # asks the HTTP server to shut down
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
 
 
@@ -88,6 +90,8 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
     async def health():
         if state.load_error is not None:
             return _error(503, f"model failed to load: {state.load_error}")
+        if state.fatal is not None:
+            return _error(503, f"engine stopped: {state.fatal}")
         if state.engine is None:
             return _error(503, "model is loading")
         return {"status": "ok"}
@@ -237,6 +241,13 @@ async def _sse_chunks(stream: AsyncIterator[Delta], delta: Delta, kind: str, eve
 def load_in_background(state: ServerState, make_llm: Callable[[], object]) -> threading.Thread:
     """Load and warm the model off the server thread; /health turns 200 when done."""
 
+    def stop(message: str) -> None:
+        """The engine cannot go on: report it and shut the server down (exit status 1)."""
+        state.fatal = message
+        print(f"flashtree: engine stopped: {message}", flush=True)
+        if state.stop_server is not None:
+            state.stop_server()
+
     def run() -> None:
         try:
             from flashtree import SamplingParams
@@ -244,7 +255,8 @@ def load_in_background(state: ServerState, make_llm: Callable[[], object]) -> th
             llm = make_llm()
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
             state.llm = llm
-            state.engine = AsyncEngine(llm.engine, on_finish=state.metrics.observe_finished)
+            state.engine = AsyncEngine(llm.engine, on_finish=state.metrics.observe_finished,
+                                       on_fatal=stop)
         except Exception as e:  # noqa: BLE001 - reported on /health and in the log
             state.load_error = f"{type(e).__name__}: {e}"
             print(f"flashtree: model failed to load: {state.load_error}", flush=True)

@@ -21,7 +21,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model, drafter, statuses: list[int] | None = None
+def start_server(model, drafter, statuses: list[int] | None = None, extra: tuple = ()
                  ) -> tuple[str, subprocess.Popen]:
     """Start `flashtree serve` the way users do and wait until /health answers 200 (every
     /health status seen on the way is appended to `statuses`)."""
@@ -30,7 +30,7 @@ def start_server(model, drafter, statuses: list[int] | None = None
         [sys.executable, "-m", "flashtree", "serve", str(model), "--draft", str(drafter),
          "--served-model-name", MODEL, "--port", str(port), "--api-key", API_KEY,
          "--device", "cpu", "--max-model-len", "256", "--max-tokens-limit", "200",
-         "--max-request-bytes", "20000", "--max-num-seqs", "64"],
+         "--max-request-bytes", "20000", "--max-num-seqs", "64", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"

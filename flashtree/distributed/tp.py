@@ -1,0 +1,169 @@
+"""Tensor-parallel processes. Rank 0 (the driver, where `LLM` was called) owns the requests;
+every step it sends the step's commands (requests added, requests aborted, "step") to the other
+ranks, and every rank runs the same scheduler and the same forward on its shard (as SGLang's TP
+workers do), so all ranks take the same decisions without shipping tensors. Workers are started
+here (one process per rank) or by torchrun, whose ranks > 0 serve rank 0 inside `LLM()`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+
+import torch.multiprocessing as mp
+
+from flashtree.distributed import destroy_tp, init_tp, tp_broadcast_object
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun(size: int) -> bool:
+    """True when this process is one of torchrun's `size` ranks."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == size
+
+
+@dataclass
+class TPGroup:
+    """The driver's view of the group: the worker processes it started (none under torchrun)."""
+
+    size: int
+    processes: list = field(default_factory=list)  # rank r is processes[r - 1]
+    closed: bool = False
+
+    @staticmethod
+    def start(size: int, llm_kwargs: dict, device_type: str) -> TPGroup:
+        """Join (torchrun) or start the group; on torchrun ranks > 0 this serves rank 0 and
+        exits the process when rank 0 shuts down."""
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if under_torchrun(size):
+            rank = int(os.environ["RANK"])
+            if rank > 0:
+                _worker_main(rank, size, backend, "env://", llm_kwargs)
+                sys.exit(0)
+            init_tp(0, size, backend, "env://")
+            return TPGroup(size)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker_main, args=(rank, size, backend, init_method,
+                                                        llm_kwargs), daemon=True,
+                             name=f"flashtree-tp{rank}") for rank in range(1, size)]
+        for p in procs:
+            p.start()
+        group = TPGroup(size, procs)
+        try:
+            init_tp(0, size, backend, init_method)
+        except Exception as e:
+            group.raise_if_dead(e)
+            raise
+        return group
+
+    def raise_if_dead(self, cause: BaseException | None = None) -> None:
+        """Raise WorkerDied naming the first worker process that is gone."""
+        for rank, p in enumerate(self.processes, start=1):
+            p.join(timeout=0.5 if cause is not None else 0)
+            if not p.is_alive():
+                self.closed = True
+                raise WorkerDied(
+                    f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code "
+                    f"{p.exitcode}; the engine stopped") from cause
+
+    def send(self, ops: list) -> None:
+        if self.closed:
+            raise WorkerDied("the tensor-parallel group is shut down")
+        self.raise_if_dead()
+        try:
+            tp_broadcast_object(ops)
+        except Exception as e:
+            self.raise_if_dead(e)
+            raise
+
+    def shutdown(self) -> None:
+        if not self.closed:
+            try:
+                self.send([("shutdown",)])
+            except Exception:  # noqa: BLE001 - a dead worker: nothing left to tell
+                pass
+            self.closed = True
+        for p in self.processes:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        destroy_tp()
+
+
+class TPDriverEngine:
+    """Rank 0's engine: the local LLMEngine plus the command stream every other rank replays.
+    A request is validated locally before anything is sent, so ranks never disagree on ids."""
+
+    def __init__(self, engine, group: TPGroup) -> None:
+        self._engine, self._group, self._ops = engine, group, []
+
+    def add_request(self, prompt_ids, params):
+        seq = self._engine.add_request(prompt_ids, params)
+        self._ops.append(("add", list(prompt_ids), params))
+        return seq
+
+    def abort(self, seq) -> None:
+        self._engine.abort(seq)
+        self._ops.append(("abort", seq.seq_id))
+
+    def step(self):
+        ops, self._ops = [*self._ops, ("step",)], []
+        self._group.send(ops)
+        try:
+            return self._engine.step()
+        except RuntimeError as e:
+            self._group.raise_if_dead(e)
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def serve_steps(engine) -> None:
+    """A worker's loop: replay rank 0's commands until it shuts down."""
+    seqs: dict = {}
+    while True:
+        for op in tp_broadcast_object():
+            kind = op[0]
+            if kind == "add":
+                seq = engine.add_request(op[1], op[2])
+                seqs[seq.seq_id] = seq
+            elif kind == "abort":
+                seq = seqs.pop(op[1], None)
+                if seq is not None:
+                    engine.abort(seq)
+            elif kind == "step":
+                try:
+                    engine.step()
+                except (RuntimeError, ValueError):
+                    pass  # rank 0 hit the same error and reports it
+                seqs = {i: s for i, s in seqs.items() if not s.is_finished}
+            elif kind == "shutdown":
+                return
+
+
+def _worker_main(rank: int, size: int, backend: str, init_method: str, llm_kwargs: dict) -> None:
+    import torch
+
+    from flashtree.llm import LLM
+
+    kwargs = dict(llm_kwargs)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kwargs["device"] = f"cuda:{rank}"
+    init_tp(rank, size, backend, init_method)
+    try:
+        llm = LLM(**kwargs, _tp_member=True)
+        serve_steps(llm.engine)
+    finally:
+        destroy_tp()

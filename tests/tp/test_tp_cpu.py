@@ -1,0 +1,74 @@
+"""Tensor parallelism over gloo with real worker processes: TP=2 returns exactly TP=1's tokens
+(greedy and seeded sampling, every speculative mode), the model really is sharded, and a dead
+worker stops the engine with an error naming its rank instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from flashtree import LLM, SamplingParams
+from flashtree.distributed.tp import WorkerDied
+from tests.tiny import save_reference_drafter, save_tiny_llama
+
+PROMPTS = [[1, 5, 7, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16], [2]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A Llama with one KV head (replicated across the 2 ranks) and an odd vocabulary (67:
+    shards of 34 and 33 rows), plus a drafter for it."""
+    root = tmp_path_factory.mktemp("tp")
+    target = save_tiny_llama(root / "target", seed=5, vocab_size=67, num_attention_heads=4,
+                             num_key_value_heads=1, hidden_size=64, intermediate_size=128)
+    drafter = save_reference_drafter(root / "drafter", target, block_size=4)
+    return target, drafter
+
+
+def _llm(tiny, spec: str, tp: int) -> LLM:
+    target, drafter = tiny
+    extra = {} if spec == "none" else {"draft": str(drafter), "spec": spec}
+    return LLM(model=str(target), device="cpu", skip_tokenizer_init=True,
+               tensor_parallel_size=tp, **extra)
+
+
+@pytest.mark.parametrize("spec", ["none", "dflash", "ddtree"])
+def test_tp2_equals_tp1(tiny, spec):
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    sampled = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=10 + i,
+                              ignore_eos=True) for i in range(len(PROMPTS))]
+    one = _llm(tiny, spec, 1)
+    want = [[o.outputs[0].token_ids for o in one.generate(PROMPTS, p)]
+            for p in (greedy, sampled)]
+    two = _llm(tiny, spec, 2)
+    try:
+        attn = two.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)  # 4 heads split, 1 KV head copied
+        assert two.model.lm_head.weight.shape[0] == 34
+        got = [[o.outputs[0].token_ids for o in two.generate(PROMPTS, p)]
+               for p in (greedy, sampled)]
+    finally:
+        two.shutdown()
+    assert got == want
+
+
+def test_killed_worker_stops_the_engine_naming_its_rank(tiny):
+    llm = _llm(tiny, "ddtree", 2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 8
+    worker = llm._tp.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(WorkerDied, match=rf"rank 1 \(pid {worker.pid}\) died"):
+        llm.generate([[1, 2, 3]], params)
+    with pytest.raises(WorkerDied):  # and stays stopped
+        llm.generate([[4]], params)
+    llm.shutdown()
+
+
+def test_shapes_that_do_not_shard_are_refused(tmp_path):
+    target = save_tiny_llama(tmp_path / "t", num_attention_heads=4, num_key_value_heads=2,
+                             hidden_size=32)
+    with pytest.raises(ValueError, match="tensor parallel size 3 does not fit 4 attention"):
+        LLM(model=str(target), device="cpu", skip_tokenizer_init=True, tensor_parallel_size=3)
