@@ -158,9 +158,10 @@ def _worker_main(rank: int, size: int, backend: str, init_method: str, llm_kwarg
     from flashtree.llm import LLM
 
     kwargs = dict(llm_kwargs)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        kwargs["device"] = f"cuda:{rank}"
+    if backend == "nccl":  # one GPU per rank: the rank's index on its own node
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        kwargs["device"] = f"cuda:{local}"
     init_tp(rank, size, backend, init_method)
     try:
         llm = LLM(**kwargs, _tp_member=True)
