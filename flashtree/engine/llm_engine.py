@@ -11,6 +11,7 @@ import torch
 
 from flashtree.config import CacheConfig, ModelConfig, SchedulerConfig
 from flashtree.distributed import tp_min
+from flashtree.distributed.vocab import vocab_argmax
 from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.scheduler import ScheduledChunk, Scheduler
@@ -144,7 +145,11 @@ class LLMEngine:
                       wants_logits=c.samples)
             for c in chunks
         ]
-        logits, features = self.runner.forward(mode, items)
+        sampling = [c for c in chunks if c.samples]
+        # All-greedy batches take the argmax over TP vocab slices without gathering logits.
+        all_greedy = all(c.seq.params.greedy and not c.seq.params.has_penalties
+                         for c in sampling)
+        logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
         injected, row = [], 0
         for c in chunks:
             c.seq.num_computed = c.start + c.count
@@ -154,10 +159,9 @@ class LLMEngine:
             row += c.count
         if self.proposer is not None:
             self.proposer.inject(injected)
-        sampling = [c for c in chunks if c.samples]
         greedy = None
-        if all(c.seq.params.greedy and not c.seq.params.has_penalties for c in sampling):
-            greedy = logits.argmax(dim=-1).tolist()  # one device sync for the batch
+        if all_greedy:  # one device sync for the batch
+            greedy = vocab_argmax(logits, self.runner.model.lm_head.vocab_start).tolist()
         for i, c in enumerate(sampling):
             seq = c.seq
             with self._isolated(seq):

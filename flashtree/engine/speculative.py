@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtree.distributed.vocab import vocab_argmax, vocab_topk_logprobs
 from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.sequence import Sequence
@@ -16,7 +17,7 @@ from flashtree.sampling import penalize_rows, probabilities
 from flashtree.spec.dflash import ContextRows, DFlashProposer
 from flashtree.spec.rrs import GeneratorDraws, sample_spine_tree, walk_rrs
 from flashtree.spec.stats import SpecStats
-from flashtree.spec.tree import ancestor_mask, build_trees
+from flashtree.spec.tree import ancestor_mask, build_trees_from_topk, topk_logprobs
 from flashtree.spec.verify import Candidates, walk
 
 TREE_SAMPLING_MODES = ("match", "rrs")
@@ -58,6 +59,8 @@ class SpeculativeDecoder:
     ) -> None:
         self.cfg, self.proposer, self.runner = cfg, proposer, runner
         self.cache, self.pages = cache, pages
+        lm_head = runner.model.lm_head
+        self._vocab_start, self._vocab_size = lm_head.vocab_start, lm_head.vocab_size
         self.stats = SpecStats()
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
@@ -69,11 +72,12 @@ class SpeculativeDecoder:
                       positions=p.cand.positions, visible=p.cand.visible)
             for s, p in zip(seqs, plans)
         ]
-        logits, features = self.runner.forward(Mode.VERIFY, items)
+        all_greedy = all(s.params.greedy and not s.params.has_penalties for s in seqs)
+        logits, features = self.runner.forward(Mode.VERIFY, items, gather_logits=not all_greedy)
         assert features is not None, "verify must capture the drafter's target layers"
         greedy_rows = None
-        if all(s.params.greedy and not s.params.has_penalties for s in seqs):
-            greedy_rows = logits.argmax(dim=-1).tolist()  # one device sync for the batch
+        if all_greedy:  # one device sync for the batch; TP ranks reduce their vocab slices
+            greedy_rows = vocab_argmax(logits, self._vocab_start).tolist()
         injected, committed, base = [], [], 0
         for seq, plan in zip(seqs, plans):
             n = len(plan.cand.tokens)
@@ -110,13 +114,18 @@ class SpeculativeDecoder:
         else:
             sizes = [cfg.block_size] * len(seqs)
         drafted = [(s, b) for s, b in zip(seqs, sizes) if b > 1]
+        # Only RRS sampling needs whole draft distributions; argmax and tree top-k run on the
+        # TP ranks' vocab slices.
+        full = cfg.tree_sampling == "rrs" and any(not s.params.greedy for s, _ in drafted)
         logits = self.proposer.draft_logits(
-            [(s.seq_id, s.num_computed, s.output_ids[-1], b) for s, b in drafted]
+            [(s.seq_id, s.num_computed, s.output_ids[-1], b) for s, b in drafted], gather=full
         ) if drafted else None
         rows: dict[int, torch.Tensor] = {}  # seq_id -> [b - 1, V] draft logits
         greedy: dict[int, list[int]] = {}  # seq_id -> the b - 1 argmax drafts
         if logits is not None:
-            argmax = logits.argmax(dim=-1).tolist()  # one device sync for the batch
+            # one device sync for the batch
+            argmax = (logits.argmax(dim=-1) if full
+                      else vocab_argmax(logits, self._vocab_start)).tolist()
             offset = 0
             for s, b in drafted:
                 rows[s.seq_id] = logits[offset : offset + b - 1]
@@ -137,7 +146,10 @@ class SpeculativeDecoder:
         if deterministic_trees:
             stacked = torch.stack([rows[seqs[i].seq_id] for i in deterministic_trees])
             roots = torch.tensor([seqs[i].output_ids[-1] for i in deterministic_trees])
-            trees = build_trees(stacked, roots, cfg.tree_budget, cfg.topk_cap)
+            k = min(cfg.tree_budget, self._vocab_size, cfg.topk_cap or self._vocab_size)
+            top_lp, top_tok = (topk_logprobs(stacked, k) if full
+                               else vocab_topk_logprobs(stacked, k, self._vocab_start))
+            trees = build_trees_from_topk(top_lp, top_tok, roots, cfg.tree_budget)
             tokens, parents = trees.tokens.tolist(), trees.parent.tolist()
             depths = trees.depth.tolist()
             for j, i in enumerate(deterministic_trees):

@@ -45,9 +45,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Scores hidden states against this rank's vocab slice; gathers the full vocabulary."""
+    """Scores hidden states against this rank's vocab slice; gathers the full vocabulary unless
+    asked for the slice alone (ids vocab_start..vocab_end-1, for sharded argmax / top-k)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        # hidden: [n, hidden] -> logits [n, vocab]
-        logits = tp_all_gather_last_dim(F.linear(hidden, self.weight))
-        return logits[..., : self.vocab_size]
+    def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:  # type: ignore[override]
+        # hidden: [n, hidden] -> logits [n, vocab] (or [n, vocab_end - vocab_start])
+        local = F.linear(hidden, self.weight)
+        if not gather:
+            return local[..., : self.vocab_end - self.vocab_start]
+        return tp_all_gather_last_dim(local)[..., : self.vocab_size]

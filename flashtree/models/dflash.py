@@ -191,9 +191,11 @@ class DFlashDraftModel(nn.Module):
             x = layer(x, rope, backend)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Score draft hidden states with the target's LM head. -> [n, vocab] float32."""
-        logits = lm_head(hidden).float() * self.cfg.output_multiplier
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module, gather: bool = True
+               ) -> torch.Tensor:
+        """Score draft hidden states with the target's LM head. -> [n, vocab] float32 (the TP
+        rank's vocab slice unless `gather`; the transforms below are elementwise)."""
+        logits = lm_head(hidden, gather).float() * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -127,9 +127,9 @@ class DecoderModel(nn.Module):
                 captured[i] = x
         return self.norm(x), [captured[i] for i in capture_layers]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [n, hidden] -> [n, vocab] in float32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        # hidden: [n, hidden] -> [n, vocab] in float32 (this rank's vocab slice if not gather)
+        return self.lm_head(hidden, gather).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors. Unknown names and tensors left unloaded are errors that name

@@ -65,21 +65,13 @@ class DFlashProposer:
         for layer, (k, v) in enumerate(self.draft.context_kv(features, positions)):
             self.cache.write(layer, slots, k, v)
 
-    def propose(self, blocks: list[tuple[int, int, int, int]]) -> list[list[int]]:
-        """Greedy draft tokens (argmax at slots 1..b-1) for each block of `draft_logits`."""
-        tokens = self.draft_logits(blocks).argmax(dim=-1).tolist()
-        out, pos = [], 0
-        for _, _, _, b in blocks:
-            out.append(tokens[pos : pos + b - 1])
-            pos += b - 1
-        return out
-
     @torch.inference_mode()
-    def draft_logits(self, blocks: list[tuple[int, int, int, int]]) -> torch.Tensor:
+    def draft_logits(self, blocks: list[tuple[int, int, int, int]], gather: bool = True
+                     ) -> torch.Tensor:
         """For each (seq_id, committed_len n, bonus token, block size b >= 2) run
         `[bonus, mask x (b-1)]` at positions n..n+b-1 through the drafter; return float32 logits
-        of slots 1..b-1 of every block, packed: [sum(b - 1), vocab]. Pages for n + b tokens
-        must be reserved."""
+        of slots 1..b-1 of every block, packed: [sum(b - 1), vocab] (this TP rank's vocab slice
+        unless `gather`). Pages for n + b tokens must be reserved."""
         items = [
             BatchItem(seq_id, n, [bonus] + [self.mask_token_id] * (b - 1), all_logits=True)
             for seq_id, n, bonus, b in blocks
@@ -98,4 +90,4 @@ class DFlashProposer:
             torch.arange(start + 1, start + len(it.tokens), device=self.device)
             for start, it in zip(batch.attn.query_start.tolist(), items)
         ])
-        return self.draft.logits(hidden[keep], self.target.lm_head)
+        return self.draft.logits(hidden[keep], self.target.lm_head, gather)

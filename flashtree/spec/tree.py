@@ -31,17 +31,29 @@ class DraftTrees:
     visible: torch.Tensor  # [R, N, N] bool: node a sees node b iff b is a or an ancestor of a
 
 
+def topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., V] logits -> the k largest full-vocabulary log-probabilities (float64) and ids."""
+    return torch.log_softmax(draft_logits.double(), dim=-1).topk(k, dim=-1)
+
+
 def build_trees(
     draft_logits: torch.Tensor, roots: torch.Tensor, budget: int, topk_cap: int | None = None
 ) -> DraftTrees:
     """draft_logits: [R, L, V] raw drafter logits of block slots 1..L; roots: [R] bonus tokens.
     Selects up to `budget` non-root nodes per request."""
-    assert budget >= 1, f"budget must be >= 1, got {budget}"
-    r, depth_max, vocab = draft_logits.shape
-    device = draft_logits.device
+    vocab = draft_logits.shape[-1]
     k = min(budget, vocab, topk_cap or vocab)
-    logp = torch.log_softmax(draft_logits.double(), dim=-1)  # full-vocabulary marginals
-    top_lp, top_tok = logp.topk(k, dim=-1)  # [R, L, K]
+    return build_trees_from_topk(*topk_logprobs(draft_logits, k), roots, budget)
+
+
+def build_trees_from_topk(
+    top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor, budget: int
+) -> DraftTrees:
+    """top_lp, top_tok: [R, L, K] the K most likely tokens of each depth and their
+    log-probabilities, sorted descending (`topk_logprobs`, or its TP-sharded twin)."""
+    assert budget >= 1, f"budget must be >= 1, got {budget}"
+    r, depth_max, k = top_lp.shape
+    device = top_lp.device
 
     keys, tokens, parents, depths = [], [], [], []
     prev = torch.zeros(r, 1, dtype=torch.float64, device=device)  # root key
