@@ -82,6 +82,8 @@ def _plots(out_dir: Path, dataset: str, rows: list[dict]) -> list[Path]:
                      if r["spec"] == spec)
         ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=spec)
     ax.set_xscale("log", base=2)
+    levels = sorted({r["concurrency"] for r in rows})
+    ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrency")
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"throughput vs concurrency ({dataset})")
