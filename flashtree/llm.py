@@ -10,6 +10,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from flashtree.config import CacheConfig, SchedulerConfig, parse_dtype
+from flashtree.distributed import get_tp_size
 from flashtree.distributed.tp import TPDriverEngine, TPGroup
 from flashtree.engine.llm_engine import EngineArgs, LLMEngine
 from flashtree.engine.sequence import Sequence
@@ -68,6 +69,9 @@ class LLM:
             )
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if get_tp_size() > 1 and not _tp_member:
+            raise ValueError("a tensor-parallel LLM is already running in this process (layers "
+                             "read one process-wide group); call its shutdown() first")
         del enforce_eager  # CUDA graphs come with the GPU fast path
         self.spec = spec
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

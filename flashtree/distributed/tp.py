@@ -16,8 +16,12 @@ import torch.multiprocessing as mp
 from flashtree.distributed import destroy_tp, init_tp, tp_broadcast_object
 
 
-class WorkerDied(RuntimeError):
-    pass
+class TPGroupStopped(RuntimeError):
+    """The tensor-parallel group cannot run any more steps (the ranks may be out of step)."""
+
+
+class WorkerDied(TPGroupStopped):
+    """A worker process of the group is gone; the message names its rank."""
 
 
 def _free_port() -> int:
@@ -47,13 +51,14 @@ class TPGroup:
         if under_torchrun(size):
             rank = int(os.environ["RANK"])
             if rank > 0:
-                _worker_main(rank, size, backend, "env://", llm_kwargs)
+                local = int(os.environ.get("LOCAL_RANK", rank))
+                _worker_main(rank, local, size, backend, "env://", llm_kwargs)
                 sys.exit(0)
             init_tp(0, size, backend, "env://")
             return TPGroup(size)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker_main, args=(rank, size, backend, init_method,
+        procs = [ctx.Process(target=_worker_main, args=(rank, rank, size, backend, init_method,
                                                         llm_kwargs), daemon=True,
                              name=f"flashtree-tp{rank}") for rank in range(1, size)]
         for p in procs:
@@ -62,8 +67,7 @@ class TPGroup:
         try:
             init_tp(0, size, backend, init_method)
         except Exception as e:
-            group.raise_if_dead(e)
-            raise
+            group.stop(e)
         return group
 
     def raise_if_dead(self, cause: BaseException | None = None) -> None:
@@ -78,20 +82,32 @@ class TPGroup:
 
     def send(self, ops: list) -> None:
         if self.closed:
-            raise WorkerDied("the tensor-parallel group is shut down")
+            raise TPGroupStopped("the tensor-parallel group is stopped")
         self.raise_if_dead()
         try:
             tp_broadcast_object(ops)
         except Exception as e:
-            self.raise_if_dead(e)
-            raise
+            self.stop(e)
+
+    def stop(self, cause: BaseException) -> None:
+        """A step or a collective failed: the ranks may be out of step, so none may run again.
+        Kill the workers and raise, naming a dead worker when there is one."""
+        try:
+            self.raise_if_dead(cause)
+        finally:
+            self.closed = True
+            for p in self.processes:
+                p.kill()
+        raise TPGroupStopped(
+            f"tensor-parallel step failed ({type(cause).__name__}: {cause}); the group is "
+            "stopped") from cause
 
     def shutdown(self) -> None:
         if not self.closed:
             try:
                 self.send([("shutdown",)])
-            except Exception:  # noqa: BLE001 - a dead worker: nothing left to tell
-                pass
+            except TPGroupStopped:
+                pass  # a worker is gone: nothing left to tell
             self.closed = True
         for p in self.processes:
             p.join(timeout=30)
@@ -121,9 +137,8 @@ class TPDriverEngine:
         self._group.send(ops)
         try:
             return self._engine.step()
-        except RuntimeError as e:
-            self._group.raise_if_dead(e)
-            raise
+        except Exception as e:  # noqa: BLE001 - workers may be stuck in a collective
+            self._group.stop(e)
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
@@ -143,23 +158,21 @@ def serve_steps(engine) -> None:
                 if seq is not None:
                     engine.abort(seq)
             elif kind == "step":
-                try:
-                    engine.step()
-                except (RuntimeError, ValueError):
-                    pass  # rank 0 hit the same error and reports it
+                engine.step()  # an error here ends this worker; rank 0 reports its rank
                 seqs = {i: s for i, s in seqs.items() if not s.is_finished}
             elif kind == "shutdown":
                 return
 
 
-def _worker_main(rank: int, size: int, backend: str, init_method: str, llm_kwargs: dict) -> None:
+def _worker_main(rank: int, local: int, size: int, backend: str, init_method: str,
+                 llm_kwargs: dict) -> None:
+    """A worker rank; `local` is its index on its own node (its GPU under NCCL)."""
     import torch
 
     from flashtree.llm import LLM
 
     kwargs = dict(llm_kwargs)
-    if backend == "nccl":  # one GPU per rank: the rank's index on its own node
-        local = int(os.environ.get("LOCAL_RANK", rank))
+    if backend == "nccl":
         torch.cuda.set_device(local)
         kwargs["device"] = f"cuda:{local}"
     init_tp(rank, size, backend, init_method)

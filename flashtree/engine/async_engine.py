@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from flashtree.distributed.tp import WorkerDied
+from flashtree.distributed.tp import TPGroupStopped
 from flashtree.engine.llm_engine import LLMEngine
 from flashtree.engine.sequence import Sequence
 from flashtree.sampling import SamplingParams
@@ -111,6 +111,11 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop:
+            if self.fatal is not None:  # answer what still arrives, until shutdown
+                self._reject_inbox()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
             self._drain_inbox()
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
@@ -118,12 +123,12 @@ class AsyncEngine:
                 continue
             try:
                 changed = self.engine.step()
-            except WorkerDied as e:  # a tensor-parallel rank is gone: nothing can run any more
+            except TPGroupStopped as e:  # the tensor-parallel ranks cannot run any more
                 self.fatal = str(e)
                 self._fail_all(self.fatal)
                 if self.on_fatal is not None:
                     self.on_fatal(self.fatal)
-                return
+                continue
             except Exception as e:  # noqa: BLE001 - fail the requests of this step, keep serving
                 self._fail_all(f"{type(e).__name__}: {e}")
                 continue
@@ -149,6 +154,15 @@ class AsyncEngine:
             del self._active[seq.seq_id]
             if self.on_finish is not None:
                 self.on_finish(req, now)
+
+    def _reject_inbox(self) -> None:
+        while True:
+            try:
+                kind, req = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._push(req, RuntimeError(f"the engine stopped: {self.fatal}"))
 
     def _fail_all(self, message: str) -> None:
         for req in list(self._active.values()):

@@ -160,7 +160,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.inject(injected)
         greedy = None
-        if all_greedy:  # one device sync for the batch
+        if all_greedy and sampling:  # one device sync for the batch
             greedy = vocab_argmax(logits, self.runner.model.lm_head.vocab_start).tolist()
         for i, c in enumerate(sampling):
             seq = c.seq

@@ -108,6 +108,8 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
                                             "created": 0, "owned_by": "flashtree"}]}
 
     def ready() -> AsyncEngine:
+        if state.fatal is not None:
+            raise ApiError(503, f"engine stopped: {state.fatal}")
         if state.engine is None:
             raise ApiError(503, "model is loading; retry when /health answers 200")
         return state.engine

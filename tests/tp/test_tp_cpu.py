@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from flashtree import LLM, SamplingParams
-from flashtree.distributed.tp import WorkerDied
+from flashtree.distributed.tp import TPGroupStopped, WorkerDied
 from tests.tiny import save_reference_drafter, save_tiny_llama
 
 PROMPTS = [[1, 5, 7, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16], [2]]
@@ -58,11 +58,13 @@ def test_killed_worker_stops_the_engine_naming_its_rank(tiny):
     llm = _llm(tiny, "ddtree", 2)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert len(llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="already running in this process"):
+        _llm(tiny, "none", 1)  # its layers would join the live group
     worker = llm._tp.processes[0]
     os.kill(worker.pid, signal.SIGKILL)
     with pytest.raises(WorkerDied, match=rf"rank 1 \(pid {worker.pid}\) died"):
         llm.generate([[1, 2, 3]], params)
-    with pytest.raises(WorkerDied):  # and stays stopped
+    with pytest.raises(TPGroupStopped, match="stopped"):  # and stays stopped
         llm.generate([[4]], params)
     llm.shutdown()
 
