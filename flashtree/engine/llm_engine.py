@@ -183,9 +183,12 @@ class LLMEngine:
     def _speculative_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
         assert self.speculative is not None
         seqs = [c.seq for c in chunks]
-        for seq, new in zip(seqs, self.speculative.step(seqs)):
+        for seq, verified in zip(seqs, self.speculative.step(seqs)):
             with self._isolated(seq):
-                self._append(seq, new, record=True)
+                self._append(seq, verified.tokens, record=True)
+                # Counted after stop conditions, so the counters match the returned tokens.
+                committed = seq.spec_accept_lengths[-1]
+                self.speculative.stats.record(verified.num_candidates, committed - 1)
         return seqs
 
     # ------------------------------------------------------------------ finishing

@@ -5,6 +5,7 @@ one target forward, walk them with the target's own rule, and commit the accepte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -21,6 +22,11 @@ from flashtree.spec.tree import ancestor_mask, build_trees_from_topk, topk_logpr
 from flashtree.spec.verify import Candidates, walk
 
 TREE_SAMPLING_MODES = ("match", "rrs")
+
+
+class Verified(NamedTuple):
+    tokens: list[int]  # accepted drafts + the target's next token
+    num_candidates: int  # draft nodes verified (tree nodes or chain drafts)
 
 
 @dataclass(frozen=True)
@@ -63,9 +69,10 @@ class SpeculativeDecoder:
         self._vocab_start, self._vocab_size = lm_head.vocab_start, lm_head.vocab_size
         self.stats = SpecStats()
 
-    def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Returns the tokens each request commits (accepted drafts + the target's next one);
-        target and draft KV already hold every committed token but the last."""
+    def step(self, seqs: list[Sequence]) -> list[Verified]:
+        """Returns what each request commits (accepted drafts + the target's next one) and how
+        many candidates it verified; target and draft KV already hold every committed token
+        but the last. The caller records the stats once stop conditions have cut the tokens."""
         plans = self._plan(seqs)
         items = [
             BatchItem(s.seq_id, s.num_computed, p.cand.tokens, all_logits=True,
@@ -99,8 +106,7 @@ class SpeculativeDecoder:
             seq.num_computed = start + len(path)
             rows_kept = torch.tensor(path, device=features.device) + base
             injected.append(ContextRows(seq.seq_id, start, features[rows_kept]))
-            committed.append(new)
-            self.stats.record(n - 1, len(path) - 1)
+            committed.append(Verified(new, n - 1))
             base += n
         self.proposer.inject(injected)
         return committed
