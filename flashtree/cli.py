@@ -158,6 +158,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     from flashtree import LLM
     from flashtree.train.drafter import TrainConfig, train_drafter
 
+    if not 0.0 <= args.sampled_fraction <= 1.0:
+        raise ValueError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
     llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs)
     examples = _distillation_data(llm, args)
@@ -191,8 +193,6 @@ def _distillation_data(llm, args: argparse.Namespace) -> list:
     )
     from flashtree.train.prompts import self_instruct_requests, training_prompts, vocabulary_words
 
-    if not 0.0 <= args.sampled_fraction <= 1.0:
-        raise SystemExit(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
     if args.data and Path(args.data).exists():
         examples = load_examples(args.data)
         print(f"loaded {len(examples)} examples from {args.data}", file=sys.stderr)

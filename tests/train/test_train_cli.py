@@ -39,6 +39,15 @@ def test_cli_generates_saves_and_reuses_distillation_data(tmp_path, default_llm)
     assert llm.engine.speculative is not None and llm.engine.speculative.cfg.block_size == 16
 
 
+def test_bad_sampled_fraction_is_refused_before_loading():
+    run = subprocess.run([sys.executable, "-m", "flashtree", "train-drafter", "--out", "unused",
+                          "--sampled-fraction", "1.5"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2
+    assert "--sampled-fraction must be in [0, 1], got 1.5" in run.stderr
+    assert "loading" not in run.stderr.lower()
+
+
 def test_saved_data_keeps_every_token(tmp_path):
     from flashtree.train.drafter import Example, save_examples
 
