@@ -338,6 +338,11 @@ def train_drafter(
     total = cfg.steps
     bar = _progress(total, progress)
     start, running = time.time(), []
+    val_cost = 0.0  # seconds of one validation pass, part of every log_every steps
+    if val:  # the starting point, and what a validation pass costs
+        val_loss, val_acc = _validate(draft, target, runner, val, cfg, batch)
+        val_cost = time.time() - start
+        _log(bar, f"step 0/{total} | val loss {val_loss:.4f} acc@1 {val_acc:.3f}")
     step = 0
     while step < total:
         if len(order) < batch:
@@ -359,7 +364,8 @@ def train_drafter(
             warmed = time.time()
         if cfg.time_budget is not None and step + 1 == _TIMING_STEPS:
             # Shrink the run (and its cosine schedule) to what the time budget allows.
-            per_step = (time.time() - warmed) / (_TIMING_STEPS - _TIMING_WARMUP)
+            per_step = ((time.time() - warmed) / (_TIMING_STEPS - _TIMING_WARMUP)
+                        + val_cost / cfg.log_every)
             left = (cfg.time_budget - (time.time() - start)) / per_step
             total = max(_TIMING_STEPS + 1, min(cfg.steps, _TIMING_STEPS + int(left)))
             warm = max(1, int(cfg.warmup * total))
