@@ -64,6 +64,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy without penalties: the token is the argmax of the raw logits."""
+        return self.greedy and not self.has_penalties
+
 
 def _check(value, name: str, ok: bool, allowed: str, integer: bool = False) -> None:
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)

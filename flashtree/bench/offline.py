@@ -47,7 +47,7 @@ def run_offline(
         engine.step()
         now = time.perf_counter()
         for seq, rec in list(active.items()):
-            new = len(seq.output_ids) - sum(n for _, n in rec.chunks)
+            new = len(seq.output_ids) - rec.num_output
             if new > 0:
                 rec.chunks.append((now, new))
             if seq.is_finished:

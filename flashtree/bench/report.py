@@ -84,14 +84,9 @@ def _plots(out_dir: Path, dataset: str, rows: list[dict]) -> list[Path]:
     ax.set_xscale("log", base=2)
     levels = sorted({r["concurrency"] for r in rows})
     ax.set_xticks(levels, [str(c) for c in levels])
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(f"throughput vs concurrency ({dataset})")
-    ax.legend()
-    fig.tight_layout()
-    throughput = out_dir / f"throughput_{stem}.png"
-    fig.savefig(throughput, dpi=100)
-    plt.close(fig)
+    throughput = _finish_plot(fig, ax, "concurrency", "output tokens/s",
+                              f"throughput vs concurrency ({dataset})",
+                              out_dir / f"throughput_{stem}.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     specs = sorted({r["spec"] for r in rows})
@@ -105,12 +100,20 @@ def _plots(out_dir: Path, dataset: str, rows: list[dict]) -> list[Path]:
         ks = sorted(hist)
         ax.bar([k + j * width for k in ks], [hist[k] / total for k in ks], width=width,
                label=spec)
-    ax.set_xlabel("tokens committed per target forward")
-    ax.set_ylabel("share of forwards")
-    ax.set_title(f"acceptance length ({dataset}, all concurrencies)")
+    accept = _finish_plot(fig, ax, "tokens committed per target forward", "share of forwards",
+                          f"acceptance length ({dataset}, all concurrencies)",
+                          out_dir / f"accept_hist_{stem}.png")
+    return [throughput, accept]
+
+
+def _finish_plot(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    accept = out_dir / f"accept_hist_{stem}.png"
-    fig.savefig(accept, dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return [throughput, accept]
+    return path

@@ -44,13 +44,18 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """[*shape] on every rank -> [tp, *shape] (rank order)."""
+    parts = [torch.empty_like(x) for _ in range(_SIZE)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.stack(parts)
+
+
 def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate the ranks' slices (e.g. vocab shards of the LM head) along the last dim."""
     if _SIZE == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_SIZE)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(list(tp_all_gather(x)), dim=-1)
 
 
 def tp_broadcast_object(obj=None):

@@ -5,16 +5,8 @@ winners decides. Ties go to the lowest token id, as torch.argmax does on one dev
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from flashtree.distributed import get_tp_size
-
-
-def _gather(x: torch.Tensor) -> torch.Tensor:
-    """[*shape] on every rank -> [tp, *shape] (rank order = vocabulary order)."""
-    parts = [torch.empty_like(x) for _ in range(get_tp_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.stack(parts)
+from flashtree.distributed import get_tp_size, tp_all_gather, tp_all_gather_last_dim
 
 
 def vocab_argmax(local: torch.Tensor, vocab_start: int) -> torch.Tensor:
@@ -22,7 +14,7 @@ def vocab_argmax(local: torch.Tensor, vocab_start: int) -> torch.Tensor:
     if get_tp_size() == 1:
         return local.argmax(dim=-1)
     value, index = local.max(dim=-1)  # first maximum within the slice
-    values, ids = _gather(value), _gather(index + vocab_start)  # [tp, n]
+    values, ids = tp_all_gather(value), tp_all_gather(index + vocab_start)  # [tp, n]
     best = values.argmax(dim=0)  # first rank holding the maximum = the lowest id
     return ids.gather(0, best[None]).squeeze(0)
 
@@ -34,14 +26,14 @@ def vocab_topk_logprobs(local: torch.Tensor, k: int, vocab_start: int
     logits = local.double()
     if get_tp_size() == 1:
         return torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-    lse = torch.logsumexp(_gather(torch.logsumexp(logits, dim=-1)), dim=0)  # [...]
+    lse = torch.logsumexp(tp_all_gather(torch.logsumexp(logits, dim=-1)), dim=0)
     kk = min(k, logits.shape[-1])
     value, index = logits.topk(kk, dim=-1)
     pad = k - kk  # a slice narrower than k (the last one of an odd vocabulary)
     if pad:
         value = torch.cat([value, value.new_full((*value.shape[:-1], pad), -torch.inf)], -1)
         index = torch.cat([index, index.new_zeros((*index.shape[:-1], pad))], -1)
-    values = torch.cat(list(_gather(value)), dim=-1)  # [..., tp * k]
-    ids = torch.cat(list(_gather(index + vocab_start)), dim=-1)
+    values = tp_all_gather_last_dim(value)  # [..., tp * k]
+    ids = tp_all_gather_last_dim(index + vocab_start)
     top, where = values.topk(k, dim=-1)
     return top - lse[..., None], ids.gather(-1, where)

@@ -97,7 +97,9 @@ class AsyncEngine:
                 kind, req = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "add" and self.fatal is not None:  # nothing runs any more
+                self._push(req, RuntimeError(f"the engine stopped: {self.fatal}"))
+            elif kind == "add":
                 try:
                     req.seq = self.engine.add_request(req.prompt_ids, req.params)
                 except ValueError as e:
@@ -111,13 +113,9 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop:
-            if self.fatal is not None:  # answer what still arrives, until shutdown
-                self._reject_inbox()
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             self._drain_inbox()
-            if not self.engine.has_unfinished():
+            # After a fatal stop only the inbox is answered, until shutdown.
+            if self.fatal is not None or not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -154,15 +152,6 @@ class AsyncEngine:
             del self._active[seq.seq_id]
             if self.on_finish is not None:
                 self.on_finish(req, now)
-
-    def _reject_inbox(self) -> None:
-        while True:
-            try:
-                kind, req = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._push(req, RuntimeError(f"the engine stopped: {self.fatal}"))
 
     def _fail_all(self, message: str) -> None:
         for req in list(self._active.values()):

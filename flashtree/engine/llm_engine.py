@@ -147,8 +147,7 @@ class LLMEngine:
         ]
         sampling = [c for c in chunks if c.samples]
         # All-greedy batches take the argmax over TP vocab slices without gathering logits.
-        all_greedy = all(c.seq.params.greedy and not c.seq.params.has_penalties
-                         for c in sampling)
+        all_greedy = all(c.seq.params.argmax_only for c in sampling)
         logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
         injected, row = [], 0
         for c in chunks:

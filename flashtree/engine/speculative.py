@@ -79,7 +79,7 @@ class SpeculativeDecoder:
                       positions=p.cand.positions, visible=p.cand.visible)
             for s, p in zip(seqs, plans)
         ]
-        all_greedy = all(s.params.greedy and not s.params.has_penalties for s in seqs)
+        all_greedy = all(s.params.argmax_only for s in seqs)
         logits, features = self.runner.forward(Mode.VERIFY, items, gather_logits=not all_greedy)
         assert features is not None, "verify must capture the drafter's target layers"
         greedy_rows = None
