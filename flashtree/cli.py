@@ -160,6 +160,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     if not 0.0 <= args.sampled_fraction <= 1.0:
         raise ValueError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
+    if args.val_examples < 0:
+        raise ValueError(f"--val-examples must be >= 0, got {args.val_examples}")
     llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs)
     examples = _distillation_data(llm, args)

@@ -88,6 +88,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--output-dir DIR is required (results.jsonl, report.md, plots)")
     for name in args.dataset.split(","):
         check_dataset_name(name)
+    if args.num_prompts < 1 or args.max_tokens < 1:
+        raise ValueError(f"--num-prompts and --max-tokens must be >= 1, got {args.num_prompts} "
+                         f"and {args.max_tokens}")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.bench_mode == "serving":
@@ -128,13 +131,9 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
                              **summarize(records, duration)})
         del llm
     bar.close()
-    add_speedups(rows)
-    write_rows(out / "results.jsonl", rows)
     what = f"device {device}, {torch.get_num_threads()} threads; model {args.model}" + (
         f", draft {args.draft}" if args.draft else "")
-    files = write_report(out, rows, _header(args, what))
-    print("\n".join(str(f) for f in [out / "results.jsonl", *files]), file=sys.stderr)
-    return 0
+    return _write_outputs(out, rows, _header(args, what))
 
 
 def _bench_serving(args: argparse.Namespace, out: Path) -> int:
@@ -157,8 +156,14 @@ def _bench_serving(args: argparse.Namespace, out: Path) -> int:
             rows.append({"dataset": name, "spec": args.label, "concurrency": c,
                          "request_rate": args.request_rate, **summarize(records, duration, accept)})
     bar.close()
+    return _write_outputs(out, rows,
+                          _header(args, f"server {args.base_url} ({args.served_model})"))
+
+
+def _write_outputs(out: Path, rows: list[dict], header: list[str]) -> int:
+    """Speedups over `none`, results.jsonl, report.md and plots; names the files written."""
     add_speedups(rows)
     write_rows(out / "results.jsonl", rows)
-    files = write_report(out, rows, _header(args, f"server {args.base_url} ({args.served_model})"))
+    files = write_report(out, rows, header)
     print("\n".join(str(f) for f in [out / "results.jsonl", *files]), file=sys.stderr)
     return 0

@@ -64,6 +64,8 @@ class TrainConfig:
         for name in ("num_layers", "steps", "batch_size", "anchors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.val_examples < 0:
+            raise ValueError(f"val_examples must be >= 0, got {self.val_examples}")
 
 
 @dataclass

@@ -117,3 +117,5 @@ def test_bad_dataset_and_missing_draft_are_named(tmp_path):
     assert "humaneval" in bad.stderr
     nodraft = run("--spec", "none,ddtree")
     assert nodraft.returncode == 2 and "--draft" in nodraft.stderr
+    empty = run("--spec", "none", "--num-prompts", "0")
+    assert empty.returncode == 2 and "--num-prompts and --max-tokens must be >= 1" in empty.stderr

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from flashtree import LLM
 from flashtree.train.drafter import load_examples
@@ -39,12 +40,15 @@ def test_cli_generates_saves_and_reuses_distillation_data(tmp_path, default_llm)
     assert llm.engine.speculative is not None and llm.engine.speculative.cfg.block_size == 16
 
 
-def test_bad_sampled_fraction_is_refused_before_loading():
+@pytest.mark.parametrize("flag, value, message", [
+    ("--sampled-fraction", "1.5", "--sampled-fraction must be in [0, 1], got 1.5"),
+    ("--val-examples", "-1", "--val-examples must be >= 0, got -1"),
+])
+def test_bad_options_are_refused_before_loading(flag, value, message):
     run = subprocess.run([sys.executable, "-m", "flashtree", "train-drafter", "--out", "unused",
-                          "--sampled-fraction", "1.5"], capture_output=True, text=True,
-                         timeout=120)
+                          flag, value], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
-    assert "--sampled-fraction must be in [0, 1], got 1.5" in run.stderr
+    assert message in run.stderr
     assert "loading" not in run.stderr.lower()
 
 
