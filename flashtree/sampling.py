@@ -139,16 +139,36 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
-def sample_token(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    prompt_ids: list[int],
-    output_ids: list[int],
-) -> int:
-    """Draw the next token for one request. logits: [vocab] float32."""
-    logits = apply_penalties(logits, params, prompt_ids, output_ids)
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = probabilities(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator))
+@dataclass(frozen=True)
+class SamplingRow:
+    """What drawing one request's next token reads besides its logits row."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """Draw the next token of every row with one device-to-host copy for the batch.
+    Rows that share their sampling parameters are processed together; each row still draws
+    from its own generator, so a seeded request gets the same tokens in any batch.
+    logits: [m, vocab] float32 with len(rows) == m."""
+    assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} rows"
+    penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if penalized:
+        logits = logits.clone()
+        for i in penalized:
+            r = rows[i]
+            logits[i] = apply_penalties(logits[i], r.params, r.prompt_ids, r.output_ids)
+    picks = logits.argmax(-1)  # [m]; the answer for greedy rows
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        if not r.params.greedy:
+            p = r.params
+            groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+    for members in groups.values():
+        probs = probabilities(logits[members], rows[members[0]].params)  # [len(members), vocab]
+        for j, i in enumerate(members):
+            picks[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+    return picks.tolist()

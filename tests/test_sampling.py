@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.sampling import apply_penalties, probabilities
+from flashtree.sampling import SamplingRow, apply_penalties, probabilities, sample_tokens
 from tests.tiny import save_tiny_llama
 
 
@@ -141,3 +141,29 @@ def test_greedy_ignores_seed(tiny_dir):
     b = llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=8, seed=2))
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
     assert not math.isnan(sum(a[0].outputs[0].token_ids))
+
+
+def test_batched_draws_equal_one_row_at_a_time():
+    """sample_tokens groups rows by parameters; every row must still get exactly the token it
+    gets alone (same generator seed), greedy rows the argmax of their penalized logits."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    params = [
+        SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+        SamplingParams(temperature=1.2, top_k=5, frequency_penalty=1.0),
+    ]
+    history = [[1, 2], [3], [4, 5, 6], [7], [int(logits[4].argmax()), 9], [10, 10, 11]]
+
+    def rows(seed):
+        return [SamplingRow(p, torch.Generator().manual_seed(seed + i), [0], h)
+                for i, (p, h) in enumerate(zip(params, history))]
+
+    penalized = apply_penalties(logits[4], params[4], [0], history[4])
+    for seed in range(0, 50, 10):
+        batch = sample_tokens(logits, rows(seed))
+        alone = [sample_tokens(logits[i : i + 1], rows(seed)[i : i + 1])[0] for i in range(6)]
+        assert batch == alone
+        assert batch[0] == int(logits[0].argmax())
+        assert batch[4] == int(penalized.argmax()) != int(logits[4].argmax())

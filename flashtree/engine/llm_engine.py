@@ -20,7 +20,7 @@ from flashtree.engine.speculative import SpecConfig, SpeculativeDecoder
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
-from flashtree.sampling import SamplingParams, sample_token
+from flashtree.sampling import SamplingParams, SamplingRow, sample_tokens
 from flashtree.spec.dflash import ContextRows, DFlashProposer
 from flashtree.tokenizer import Tokenizer
 
@@ -158,16 +158,32 @@ class LLMEngine:
             row += c.count
         if self.proposer is not None:
             self.proposer.inject(injected)
-        greedy = None
-        if all_greedy and sampling:  # one device sync for the batch
-            greedy = vocab_argmax(logits, self.runner.model.lm_head.vocab_start).tolist()
-        for i, c in enumerate(sampling):
-            seq = c.seq
-            with self._isolated(seq):
-                token = greedy[i] if greedy is not None else sample_token(
-                    logits[i], seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
-                self._append(seq, [token], record=c.decode)
+        if not sampling:
+            tokens = []
+        elif all_greedy:  # one device sync for the batch
+            tokens = vocab_argmax(logits, self.runner.model.lm_head.vocab_start).tolist()
+        else:
+            tokens = self._sample(logits, sampling)
+        for c, token in zip(sampling, tokens):
+            if token is not None:
+                with self._isolated(c.seq):
+                    self._append(c.seq, [token], record=c.decode)
         return [c.seq for c in sampling]
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int | None]:
+        """One token per chunk (logits [len(chunks), vocab]), drawn for the whole batch at once;
+        if that fails, row by row so that only the failing requests fail (their token: None)."""
+        rows = [SamplingRow(c.seq.params, c.seq.generator, c.seq.prompt_ids, c.seq.output_ids)
+                for c in chunks]
+        try:
+            return sample_tokens(logits, rows)
+        except Exception:  # noqa: BLE001 - retried per request below
+            tokens: list[int | None] = []
+            for i, c in enumerate(chunks):
+                tokens.append(None)
+                with self._isolated(c.seq):
+                    tokens[-1] = sample_tokens(logits[i : i + 1], rows[i : i + 1])[0]
+            return tokens
 
     @contextlib.contextmanager
     def _isolated(self, seq: Sequence):

@@ -78,14 +78,14 @@ def test_an_exception_in_one_request_fails_only_that_request(tiny_dir, monkeypat
     import flashtree.engine.llm_engine as llm_engine
 
     llm = _llm(tiny_dir)
-    real = llm_engine.sample_token
+    real = llm_engine.sample_tokens
 
-    def flaky(logits, params, *args):
-        if params.seed == 13:
+    def flaky(logits, rows):
+        if any(r.params.seed == 13 for r in rows):
             raise RuntimeError("boom")
-        return real(logits, params, *args)
+        return real(logits, rows)
 
-    monkeypatch.setattr(llm_engine, "sample_token", flaky)
+    monkeypatch.setattr(llm_engine, "sample_tokens", flaky)
     params = [SamplingParams(temperature=1.0, max_tokens=6, seed=s, ignore_eos=True)
               for s in (12, 13, 14)]
     outs = llm.generate(_prompts(3), params)
