@@ -1,0 +1,255 @@
+"""Tensor parallelism on GPUs (NCCL): TP=2 tokens against TP=1 tokens in bf16 for spec none /
+dflash / ddtree (greedy and seeded sampling; each divergence reported with TP=1's top-2 logit
+gap there), then TP1 vs TP2 decode step time on a Qwen3-8B-shaped target with a 5-layer
+Qwen3-8B-shaped DFlash drafter (random weights), AR and DDTree.
+
+    python benchmarks/tp_bench.py --out benchmarks/results/2026-11-30-tp.md
+
+`--shape tiny --device cpu` runs the same script small over gloo (a check of the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flashtree import LLM, SamplingParams  # noqa: E402
+from flashtree.engine.forward_batch import BatchItem, Mode  # noqa: E402
+
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                rope_theta=1e6, max_position_embeddings=40960)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=512, rope_theta=1e4,
+            max_position_embeddings=4096)
+COMMON = dict(tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+              rms_norm_eps=1e-6)
+
+
+def fill_and_save(model: torch.nn.Module, out: Path, seed: int, std: float, device: str) -> None:
+    """Random weights for a model built on the meta device: N(0, std) matrices, unit norms;
+    written as safetensors shards of at most ~4 GB plus an index, as HF checkpoints are."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator(device).manual_seed(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, p in model.state_dict().items():
+        if p.dim() == 1:
+            t = torch.ones(p.shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(p.shape, generator=gen, device=device) * std).to(torch.bfloat16).cpu()
+        if size + t.numel() * 2 > 4e9 and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.numel() * 2
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def make_target(out: Path, shape: dict, layers: int, device: str) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen3Config(**{**shape, **COMMON, "num_hidden_layers": layers})
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    cfg.save_pretrained(out)
+    fill_and_save(model, out, seed=1, std=0.02, device=device)
+    return out
+
+
+def make_drafter(out: Path, target: Path, shape: dict, layers: int, block: int,
+                 device: str) -> Path:
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    out.mkdir(parents=True, exist_ok=True)
+    tcfg = json.loads((target / "config.json").read_text())
+    n = tcfg["num_hidden_layers"]
+    taps = sorted({round(1 + i * (n - 3) / 4) for i in range(5)})  # 5 spaced target layers
+    cfg = Qwen3Config(**{**shape, **COMMON, "num_hidden_layers": layers},
+                      layer_types=["full_attention"] * layers)
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.block_size = block
+    cfg.num_target_layers = n
+    cfg.dflash_config = {"target_layer_ids": taps, "mask_token_id": shape["vocab_size"] - 1}
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    cfg.save_pretrained(out)
+    fill_and_save(model, out, seed=2, std=0.02, device=device)
+    return out
+
+
+def free(llm: LLM) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def top2_gap(llm: LLM, tokens: list[int]) -> float:
+    """TP=1's logit gap between its two best next tokens after `tokens` (a near-tie is small)."""
+    eng = llm.engine
+    sid = -1
+    eng.pages.reserve(sid, len(tokens))
+    try:
+        logits, _ = eng.runner.forward(Mode.PREFILL, [BatchItem(sid, 0, tokens)])
+    finally:
+        eng.pages.free(sid)
+    top = logits[0].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def equality(args, target: Path, drafter: Path) -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    prompts = [torch.randint(0, vocab - 1, (n,), generator=gen).tolist() for n in (5, 33, 100, 17)]
+    cases = [("none", 0.0), ("dflash", 0.0), ("ddtree", 0.0), ("none", 0.8), ("ddtree", 0.8)]
+    common = dict(model=str(target), device=args.device, dtype=args.dtype,
+                  skip_tokenizer_init=True, max_model_len=1024)
+    tokens: dict[tuple, list[list[int]]] = {}
+    for tp in (2, 1):
+        for spec, temp in cases:
+            kw = {} if spec == "none" else dict(draft=str(drafter), spec=spec)
+            llm = LLM(**common, **kw, tensor_parallel_size=tp)
+            sp = [SamplingParams(temperature=temp, max_tokens=args.equality_tokens,
+                                 ignore_eos=True, seed=100 + i) for i in range(len(prompts))]
+            tokens[tp, spec, temp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+            if tp == 1 and spec == "none" and temp == 0.0:
+                gap_llm = llm
+            else:
+                free(llm)
+    lines = ["| spec | T | requests equal (TP2 vs TP1) | first divergences: request @ index "
+             "(TP1's top-2 logit gap there) |", "|---|---:|---:|---|"]
+    for spec, temp in cases:
+        a, b = tokens[1, spec, temp], tokens[2, spec, temp]
+        same = sum(x == y for x, y in zip(a, b))
+        notes = []
+        for r, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                j = next(i for i, (u, v) in enumerate(zip(x, y)) if u != v)
+                gap = top2_gap(gap_llm, prompts[r] + x[:j])
+                notes.append(f"{r} @ {j} ({gap:.3f})")
+        lines.append(f"| {spec} | {temp} | {same}/{len(a)} | {', '.join(notes) or '-'} |")
+    free(gap_llm)
+    return lines
+
+
+def step_times(llm: LLM, batch: int, ctx: int, steps: int, vocab: int) -> tuple[float, float]:
+    """Median wall ms of one engine decode step and mean tokens committed per request per step,
+    with `batch` requests of `ctx` prompt tokens."""
+    eng = llm.engine
+    gen = torch.Generator().manual_seed(batch)
+    sp = SamplingParams(temperature=0, max_tokens=steps * 20 + 50, ignore_eos=True)
+    seqs = [eng.add_request(torch.randint(0, vocab - 1, (ctx,), generator=gen).tolist(), sp)
+            for _ in range(batch)]
+    while not all(s.output_ids for s in seqs):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    times, produced = [], sum(len(s.output_ids) for s in seqs)
+    for _ in range(steps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.step()
+        times.append((time.perf_counter() - t) * 1e3)
+    produced = sum(len(s.output_ids) for s in seqs) - produced
+    for s in seqs:
+        eng.abort(s)
+    return sorted(times)[len(times) // 2], produced / (steps * batch)
+
+
+def bench(args, target: Path, drafter: Path) -> list[str]:
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    rows: dict[tuple, tuple[float, float]] = {}
+    for tp in (1, 2):
+        for spec in ("none", "ddtree"):
+            kw = {} if spec == "none" else dict(draft=str(drafter), spec=spec)
+            llm = LLM(model=str(target), device=args.device, dtype=args.dtype,
+                      skip_tokenizer_init=True, max_model_len=args.ctx + 1024,
+                      max_num_seqs=max(args.batches), tensor_parallel_size=tp, **kw)
+            for b in args.batches:
+                rows[tp, spec, b] = step_times(llm, b, args.ctx, args.steps, vocab)
+                print(f"tp{tp} {spec} batch {b}: {rows[tp, spec, b][0]:.2f} ms/step", flush=True)
+            free(llm)
+    lines = ["| spec | batch | TP1 ms/step | TP2 ms/step | TP1/TP2 | tokens/step/request |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for spec in ("none", "ddtree"):
+        for b in args.batches:
+            t1, t2 = rows[1, spec, b][0], rows[2, spec, b][0]
+            lines.append(f"| {spec} | {b} | {t1:.2f} | {t2:.2f} | {t1 / t2:.2f} | "
+                         f"{rows[2, spec, b][1]:.2f} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="markdown report path")
+    ap.add_argument("--work", default="/tmp/ft_tp_bench", help="where random checkpoints go")
+    ap.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--equality-layers", type=int, default=4)
+    ap.add_argument("--equality-tokens", type=int, default=48)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["equality", "bench"])
+    args = ap.parse_args()
+    shape = QWEN3_8B if args.shape == "qwen3-8b" else TINY
+    work = Path(args.work)
+    gen_dev = "cuda" if torch.cuda.is_available() else "cpu"
+    report = [f"# Tensor parallelism, TP1 vs TP2 ({args.shape}-shaped, random weights, "
+              f"{args.dtype})", "",
+              f"Machine: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}"
+              f" x {max(torch.cuda.device_count(), 1)}, torch {torch.__version__}, "
+              f"Python {platform.python_version()}.", "",
+              "Command: `python benchmarks/tp_bench.py " + " ".join(sys.argv[1:]) + "`", ""]
+    if "equality" not in args.skip:
+        report += [f"## TP2 vs TP1 tokens ({args.equality_layers} target layers, 2-layer "
+                   f"drafter, block 8, {args.equality_tokens} tokens per request, seeded "
+                   "sampling at T = 0.8)", ""]
+        t0 = time.time()
+        try:
+            small = make_target(work / "eq_target", shape, args.equality_layers, gen_dev)
+            small_d = make_drafter(work / "eq_drafter", small, shape, 2, 8, gen_dev)
+            report += [*equality(args, small, small_d), "", f"({time.time() - t0:.0f} s)", ""]
+        except Exception:  # noqa: BLE001 - the report says what failed; the bench still runs
+            report += ["```", traceback.format_exc(), "```", ""]
+        print("\n".join(report), flush=True)
+    if "bench" not in args.skip:
+        report += [f"## Decode step time, context {args.ctx}, median of {args.steps} steps "
+                   "(wall time of `engine.step()`, host and broadcast included; DDTree budget "
+                   "15, random drafter so about one token per step)", ""]
+        try:
+            target = make_target(work / "target", shape, shape["num_hidden_layers"], gen_dev)
+            drafter = make_drafter(work / "drafter", target, shape, 5, 16, gen_dev)
+            report += [*bench(args, target, drafter), ""]
+        except Exception:  # noqa: BLE001
+            report += ["```", traceback.format_exc(), "```", ""]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(report))
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
