@@ -24,6 +24,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="DDTree non-root nodes per step (default: block size - 1)")
     p.add_argument("--topk-cap", type=int, default=None,
                    help="DDTree: most children considered per node (speed only)")
+    _add_policy_arg(p)
+
+
+def _add_policy_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec-policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive: per step and request, the draft budget that maximises "
+                        "expected tokens/s (0 = plain decoding); fixed: always the full one")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -59,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tree-budget", type=int, default=None)
     serve.add_argument("--topk-cap", type=int, default=None)
     serve.add_argument("--tree-sampling", default="match", choices=["match", "rrs"])
+    _add_policy_arg(serve)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -134,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return LLM(model=args.model, draft=args.draft, spec=args.spec,
                    block_size=args.block_size, tree_budget=args.tree_budget,
                    topk_cap=args.topk_cap, tree_sampling=args.tree_sampling,
+                   spec_policy=args.spec_policy,
                    device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, seed=args.seed,
                    tensor_parallel_size=args.tp)
@@ -240,8 +249,8 @@ def _load(args: argparse.Namespace):
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     return LLM(model=args.model, draft=args.draft, spec=args.spec, block_size=args.block_size,
                tree_budget=args.tree_budget, topk_cap=args.topk_cap,
-               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               seed=args.seed)
+               spec_policy=args.spec_policy, device=args.device, dtype=args.dtype,
+               max_model_len=args.max_model_len, seed=args.seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

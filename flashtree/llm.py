@@ -19,6 +19,7 @@ from flashtree.models.dflash import load_dflash_drafter
 from flashtree.models.registry import load_model, resolve_model_path
 from flashtree.outputs import CompletionOutput, RequestOutput
 from flashtree.sampling import SamplingParams
+from flashtree.spec.policy import POLICIES
 from flashtree.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -44,6 +45,7 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         tree_sampling: str = "match",
+        spec_policy: str = "adaptive",
         page_size: int = 16,
         kv_cache_pages: int | None = None,
         max_num_batched_tokens: int = 1024,
@@ -67,6 +69,9 @@ class LLM:
                 f"tree_sampling={tree_sampling!r} is not supported; allowed: "
                 f"{list(TREE_SAMPLING_MODES)}"
             )
+        if spec_policy not in POLICIES:
+            raise ValueError(f"spec_policy={spec_policy!r} is not supported; allowed: "
+                             f"{list(POLICIES)}")
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if get_tp_size() > 1 and not _tp_member:
@@ -85,7 +90,7 @@ class LLM:
         try:
             self._build(model, draft, spec, block_size, tree_budget, topk_cap, dtype,
                         max_model_len, max_num_seqs, skip_tokenizer_init, seed, tree_sampling,
-                        page_size, kv_cache_pages, max_num_batched_tokens)
+                        spec_policy, page_size, kv_cache_pages, max_num_batched_tokens)
         except BaseException:
             self.shutdown()
             raise
@@ -99,7 +104,7 @@ class LLM:
             self._tp.shutdown()
 
     def _build(self, model, draft, spec, block_size, tree_budget, topk_cap, dtype, max_model_len,
-               max_num_seqs, skip_tokenizer_init, seed, tree_sampling, page_size,
+               max_num_seqs, skip_tokenizer_init, seed, tree_sampling, spec_policy, page_size,
                kv_cache_pages, max_num_batched_tokens) -> None:
         self.dtype = parse_dtype(dtype, self.device)
         path = resolve_model_path(model)
@@ -122,7 +127,7 @@ class LLM:
         )
         cache = CacheConfig(page_size=page_size, num_pages=kv_cache_pages)
         args = EngineArgs(self.device, self.dtype, sched, cache, seed, block_size, spec,
-                          tree_budget, topk_cap, tree_sampling)
+                          tree_budget, topk_cap, tree_sampling, spec_policy)
         self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args, self.drafter)
 
     # ----------------------------------------------------------------- generation

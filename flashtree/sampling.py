@@ -139,20 +139,45 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform draw in [0, 1) that decides output token `position` of a request seeded
+    `seed`: a splitmix64 hash of the pair, so that a token's draw depends on nothing else (not
+    on the batch, the step, or how many candidates speculation verified)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+
+def inverse_cdf(probs: torch.Tensor, u: list[float]) -> torch.Tensor:
+    """The token of each row whose cumulative probability interval holds u: an exact draw from
+    the row's distribution when u is uniform. probs: [m, vocab] -> [m] int64."""
+    cdf = probs.double().cumsum(-1)  # [m, vocab]
+    target = torch.tensor(u, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]
+    picks = torch.searchsorted(cdf, target, right=True)[:, 0]  # first index with cdf > target
+    # Rounding can put the target at the very end; never return a zero-probability token.
+    vocab_ids = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, vocab_ids, 0).amax(-1)
+    return torch.minimum(picks, last)
+
+
 @dataclass(frozen=True)
 class SamplingRow:
     """What drawing one request's next token reads besides its logits row."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int
     prompt_ids: list[int]
     output_ids: list[int]
 
 
 def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """Draw the next token of every row with one device-to-host copy for the batch.
-    Rows that share their sampling parameters are processed together; each row still draws
-    from its own generator, so a seeded request gets the same tokens in any batch.
+    """Draw the next token of every row with one device-to-host copy for the batch. Rows that
+    share their sampling parameters are processed together; each row's draw is
+    `uniform(seed, output position)`, so a seeded request gets the same tokens in any batch.
     logits: [m, vocab] float32 with len(rows) == m."""
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} rows"
     penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
@@ -169,6 +194,6 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
             groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
     for members in groups.values():
         probs = probabilities(logits[members], rows[members[0]].params)  # [len(members), vocab]
-        for j, i in enumerate(members):
-            picks[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+        u = [uniform(rows[i].seed, len(rows[i].output_ids)) for i in members]
+        picks[members] = inverse_cdf(probs, u)
     return picks.tolist()

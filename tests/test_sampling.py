@@ -145,7 +145,7 @@ def test_greedy_ignores_seed(tiny_dir):
 
 def test_batched_draws_equal_one_row_at_a_time():
     """sample_tokens groups rows by parameters; every row must still get exactly the token it
-    gets alone (same generator seed), greedy rows the argmax of their penalized logits."""
+    gets alone (same seed), greedy rows the argmax of their penalized logits."""
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
     params = [
@@ -157,8 +157,7 @@ def test_batched_draws_equal_one_row_at_a_time():
     history = [[1, 2], [3], [4, 5, 6], [7], [int(logits[4].argmax()), 9], [10, 10, 11]]
 
     def rows(seed):
-        return [SamplingRow(p, torch.Generator().manual_seed(seed + i), [0], h)
-                for i, (p, h) in enumerate(zip(params, history))]
+        return [SamplingRow(p, seed + i, [0], h) for i, (p, h) in enumerate(zip(params, history))]
 
     penalized = apply_penalties(logits[4], params[4], [0], history[4])
     for seed in range(0, 50, 10):
@@ -167,3 +166,21 @@ def test_batched_draws_equal_one_row_at_a_time():
         assert batch == alone
         assert batch[0] == int(logits[0].argmax())
         assert batch[4] == int(penalized.argmax()) != int(logits[4].argmax())
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_skip_zero_mass():
+    """Position-keyed uniforms through the inverse CDF: a chi-square test against the
+    distribution (top-k leaves zero-mass tokens, which are never drawn)."""
+    from scipy.stats import chisquare
+
+    from flashtree.sampling import inverse_cdf, uniform
+
+    probs = probabilities(torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]),
+                          SamplingParams(temperature=1.0, top_k=4))
+    n = 20000
+    draws = inverse_cdf(probs.expand(n, -1), [uniform(11, i) for i in range(n)])
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[4:].sum() == 0
+    expected = n * probs[0, :4].double() / probs[0, :4].double().sum()
+    assert chisquare(counts[:4], expected).pvalue > 1e-3
+    assert inverse_cdf(probs, [1 - 2**-53]).item() == 3  # the last token with mass

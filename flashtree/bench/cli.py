@@ -9,6 +9,7 @@ import datetime
 import platform
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from flashtree.bench.datasets import NAMED, check_dataset_name, load_dataset
@@ -47,7 +48,10 @@ def add_bench_parser(sub) -> None:
                                          "`bench serving` against an HTTP server")
     bench.add_argument("--model", default="default")
     bench.add_argument("--draft", default=None, help="DFlash drafter (needed by dflash/ddtree)")
-    bench.add_argument("--spec", default="none,dflash,ddtree", help="comma list of methods")
+    bench.add_argument("--spec", default="none,dflash,ddtree",
+                       help="comma list of methods, each METHOD[:POLICY[:BUDGET]]: none, dflash "
+                            "or ddtree; adaptive (default) or fixed; a fixed budget (tree nodes "
+                            "or chain drafts), e.g. none,ddtree,ddtree:fixed:7")
     bench.add_argument("--block-size", type=int, default=None)
     bench.add_argument("--tree-budget", type=int, default=None)
     bench.add_argument("--device", default=None)
@@ -105,35 +109,81 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
     from flashtree.bench.offline import run_offline
 
     specs = [s for s in args.spec.split(",") if s]
-    unknown = [s for s in specs if s not in ("none", "dflash", "ddtree")]
-    if unknown:
-        raise ValueError(f"unknown --spec {unknown}; allowed: none, dflash, ddtree")
-    if any(s != "none" for s in specs) and args.draft is None:
+    methods = [parse_method(s) for s in specs]
+    if any(m.spec != "none" for m in methods) and args.draft is None:
         raise ValueError("--spec dflash/ddtree need --draft DIR (or use --spec none)")
     datasets = [d for d in args.dataset.split(",") if d]
     bar = _progress(len(specs) * len(datasets) * len(args.concurrency) * args.num_prompts,
                     not args.no_progress)
     rows = []
     device = None
-    for spec in specs:
-        llm = LLM(model=args.model, draft=None if spec == "none" else args.draft, spec=spec,
-                  block_size=args.block_size, tree_budget=args.tree_budget, device=args.device,
-                  dtype=args.dtype, max_num_seqs=max(args.concurrency), seed=args.seed)
+    for spec, method in zip(specs, methods):
+        llm = LLM(model=args.model, draft=None if method.spec == "none" else args.draft,
+                  block_size=args.block_size, device=args.device, dtype=args.dtype,
+                  max_num_seqs=max(args.concurrency), seed=args.seed, **method.llm_kwargs(args))
         device = llm.device
         for name in datasets:
             prompts = load_dataset(name, args.num_prompts, args.seed,
                                    llm.model_config.vocab_size, args.random_input_len)
             run_offline(llm, prompts[:2], 2, 4)  # warm-up: first-call costs stay out
             for c in args.concurrency:
+                before = dict(_budgets(llm))
                 records, duration = run_offline(llm, prompts, c, args.max_tokens,
                                                 args.temperature, args.seed, bar.update)
                 rows.append({"dataset": name, "spec": spec, "concurrency": c,
-                             **summarize(records, duration)})
+                             **summarize(records, duration),
+                             "budget_histogram": _counts_since(before, _budgets(llm))})
         del llm
     bar.close()
     what = f"device {device}, {torch.get_num_threads()} threads; model {args.model}" + (
         f", draft {args.draft}" if args.draft else "")
     return _write_outputs(out, rows, _header(args, what))
+
+
+@dataclass(frozen=True)
+class Method:
+    spec: str  # none | dflash | ddtree
+    policy: str | None  # adaptive | fixed; None: the LLM's default
+    budget: int | None  # fixed tree budget (ddtree) or block size - 1 (dflash)
+
+    def llm_kwargs(self, args: argparse.Namespace) -> dict:
+        kw: dict = {"spec": self.spec}
+        if self.spec == "none":
+            return kw
+        if self.policy is not None:
+            kw["spec_policy"] = self.policy
+        if self.spec == "ddtree":
+            kw["tree_budget"] = self.budget or args.tree_budget
+        elif self.budget is not None:
+            kw["block_size"] = self.budget + 1
+        return kw
+
+
+def parse_method(item: str) -> Method:
+    """METHOD[:POLICY[:BUDGET]] -> Method; a bad item raises ValueError saying what is allowed."""
+    from flashtree.spec.policy import POLICIES
+
+    parts = item.split(":")
+    allowed = ("the allowed form is METHOD[:POLICY[:BUDGET]] with METHOD none, dflash or ddtree, "
+               f"POLICY one of {list(POLICIES)}, BUDGET a positive integer")
+    spec, policy = parts[0], parts[1] if len(parts) > 1 else None
+    budget = parts[2] if len(parts) > 2 else None
+    bad_policy = policy is not None and policy not in POLICIES
+    bad_budget = budget is not None and not (budget.isdigit() and int(budget) > 0)
+    if (len(parts) > 3 or spec not in ("none", "dflash", "ddtree") or bad_policy or bad_budget
+            or (spec == "none" and len(parts) > 1)):
+        raise ValueError(f"--spec item {item!r} is not understood; {allowed}")
+    return Method(spec, policy, int(budget) if budget is not None else None)
+
+
+def _budgets(llm) -> dict[int, int]:
+    """Request-steps by chosen draft budget so far (empty without speculation)."""
+    spec = llm.engine.speculative
+    return {} if spec is None else spec.stats.budgets
+
+
+def _counts_since(before: dict[int, int], now: dict[int, int]) -> dict[str, int]:
+    return {str(b): n - before.get(b, 0) for b, n in sorted(now.items()) if n > before.get(b, 0)}
 
 
 def _bench_serving(args: argparse.Namespace, out: Path) -> int:

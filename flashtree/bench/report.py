@@ -27,6 +27,13 @@ def write_rows(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def mean_budget(histogram: dict[str, int] | None) -> float | None:
+    """Mean draft budget per request-step (0 for plain steps) of a row; None without one."""
+    if not histogram:
+        return None
+    return sum(int(b) * n for b, n in histogram.items()) / sum(histogram.values())
+
+
 def _fmt(x, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -43,8 +50,9 @@ def write_report(out_dir: Path, rows: list[dict], header: list[str]) -> list[Pat
     for dataset, drows in by_dataset.items():
         lines += [f"## {dataset}", "",
                   "| spec | concurrency | output tok/s | req/s | TTFT mean / p99 ms | "
-                  "TPOT mean / p99 ms | E2E mean ms | accept length | speedup vs none |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "TPOT mean / p99 ms | E2E mean ms | accept length | mean budget | "
+                  "speedup vs none |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sorted(drows, key=lambda r: (r["spec"] != "none", r["spec"], r["concurrency"])):
             speed = r.get("speedup_vs_none")
             flag = ""
@@ -57,7 +65,7 @@ def write_report(out_dir: Path, rows: list[dict], header: list[str]) -> list[Pat
                 f"{_fmt(r['request_throughput'], 2)} | {_fmt(r['mean_ttft_ms'])} / "
                 f"{_fmt(r['p99_ttft_ms'])} | {_fmt(r['mean_tpot_ms'])} / {_fmt(r['p99_tpot_ms'])}"
                 f" | {_fmt(r['mean_e2e_ms'])} | {_fmt(r['accept_length'], 2)} | "
-                f"{_fmt(speed, 2)}{flag} |")
+                f"{_fmt(mean_budget(r.get('budget_histogram')), 1)} | {_fmt(speed, 2)}{flag} |")
         lines.append("")
         written += _plots(out_dir, dataset, drows)
         lines += [f"![throughput]({p.name})" for p in written[-2:-1]]

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtree.config import CacheConfig, ModelConfig, SchedulerConfig
-from flashtree.distributed import tp_min
+from flashtree.config import CacheConfig, ModelConfig, SchedulerConfig, device_name
+from flashtree.distributed import get_tp_rank, get_tp_size, tp_broadcast_object, tp_min
 from flashtree.distributed.vocab import vocab_argmax
 from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
@@ -21,8 +21,13 @@ from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
 from flashtree.sampling import SamplingParams, SamplingRow, sample_tokens
+from flashtree.spec.cost import load_profile, measure_cost_model, save_profile
 from flashtree.spec.dflash import ContextRows, DFlashProposer
+from flashtree.spec.policy import CostModel, SpecPolicy, budget_levels
 from flashtree.tokenizer import Tokenizer
+
+# Largest target forward the cost profile measures (bigger batches extrapolate its last slope).
+_PROFILE_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class EngineArgs:
     tree_budget: int | None = None  # DDTree non-root nodes (default: block_size - 1)
     topk_cap: int | None = None  # DDTree: children considered per node
     tree_sampling: str = "match"  # temperature > 0: "match" | "rrs"
+    spec_policy: str = "adaptive"  # "adaptive" (budgets per step) | "fixed" (always the full one)
 
 
 class LLMEngine:
@@ -81,13 +87,40 @@ class LLMEngine:
         self.scheduler = Scheduler(args.scheduler, self.pages, lookahead=self.lookahead)
         self.runner = ModelRunner(model, self.cache, self.pages, capture)
         if self.proposer is not None:
+            policy = None
+            if args.spec_policy == "adaptive":
+                policy = SpecPolicy(self._cost_model(spec_cfg, drafter),
+                                    budget_levels(spec_cfg.max_budget))
             self.speculative = SpeculativeDecoder(spec_cfg, self.proposer, self.runner,
-                                                  self.cache, self.pages)
+                                                  self.cache, self.pages, policy)
         self._ids = itertools.count()
         eos = set(model_cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+
+    def _cost_model(self, spec_cfg: SpecConfig, drafter: DFlashDraftModel) -> CostModel:
+        """The adaptive policy's step costs: cached for this shape of models and machine, else
+        measured now. TP ranks measure together (the forwards are collective) and all take
+        rank 0's numbers, so that every rank picks the same budgets."""
+        assert self.proposer is not None
+        max_requests = self.args.scheduler.max_num_seqs
+        max_tokens = min(max_requests * (spec_cfg.max_budget + 1), _PROFILE_MAX_TOKENS)
+        key = {"target": repr(self.model_cfg), "drafter": repr(drafter.cfg),
+               "dtype": str(self.args.dtype), "device": device_name(self.args.device),
+               "tp": get_tp_size(), "block": spec_cfg.block_size, "tokens": max_tokens,
+               "requests": max_requests, "torch": torch.__version__}
+        cost = load_profile(key) if get_tp_rank() == 0 else None
+        if get_tp_size() > 1:
+            cost = tp_broadcast_object(cost)
+        if cost is None:
+            cost = measure_cost_model(self.runner, self.proposer, self.pages, max_tokens,
+                                      max_requests, spec_cfg.block_size)
+            if get_tp_size() > 1:
+                cost = tp_broadcast_object(cost)
+            if get_tp_rank() == 0:
+                save_profile(key, cost)
+        return cost
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -114,9 +147,10 @@ class LLMEngine:
                 f"{self.pages.num_pages * self.args.cache.page_size}; lower max_tokens"
             )
         seq_id = next(self._ids)  # only accepted requests take an id (TP ranks replay adds)
-        seed = params.seed if params.seed is not None else hash((self.args.seed, seq_id))
-        generator = torch.Generator(self.args.device).manual_seed(seed % (1 << 63))
-        seq = Sequence(seq_id, list(prompt_ids), params, generator, total)
+        seed = (params.seed if params.seed is not None
+                else hash((self.args.seed, seq_id))) % (1 << 63)
+        generator = torch.Generator(self.args.device).manual_seed(seed)
+        seq = Sequence(seq_id, list(prompt_ids), params, seed, generator, total)
         self.scheduler.add(seq)
         return seq
 
@@ -135,7 +169,9 @@ class LLMEngine:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
         if self.speculative is not None and chunks[0].decode:
-            return self._speculative_step(chunks)
+            if self.speculative.wants_draft():
+                return self._speculative_step(chunks)
+            self.speculative.stats.record_budget(0, len(chunks))  # the policy chose plain
         return self._plain_step(chunks)
 
     def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
@@ -173,7 +209,7 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int | None]:
         """One token per chunk (logits [len(chunks), vocab]), drawn for the whole batch at once;
         if that fails, row by row so that only the failing requests fail (their token: None)."""
-        rows = [SamplingRow(c.seq.params, c.seq.generator, c.seq.prompt_ids, c.seq.output_ids)
+        rows = [SamplingRow(c.seq.params, c.seq.seed, c.seq.prompt_ids, c.seq.output_ids)
                 for c in chunks]
         try:
             return sample_tokens(logits, rows)

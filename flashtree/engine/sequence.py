@@ -21,7 +21,8 @@ class Sequence:
     seq_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # decides every sampled token (sampling.uniform) at temperature > 0
+    generator: torch.Generator  # RRS draws (seeded with `seed`)
     max_total_len: int  # prompt + generated tokens may not exceed this
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING

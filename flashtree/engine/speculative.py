@@ -4,6 +4,8 @@ one target forward, walk them with the target's own rule, and commit the accepte
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -14,11 +16,17 @@ from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.sequence import Sequence
 from flashtree.kv.cache import KVCache, PageTables
-from flashtree.sampling import penalize_rows, probabilities
+from flashtree.sampling import inverse_cdf, penalize_rows, probabilities, uniform
 from flashtree.spec.dflash import ContextRows, DFlashProposer
+from flashtree.spec.policy import SpecPolicy
 from flashtree.spec.rrs import GeneratorDraws, sample_spine_tree, walk_rrs
 from flashtree.spec.stats import SpecStats
-from flashtree.spec.tree import ancestor_mask, build_trees_from_topk, topk_logprobs
+from flashtree.spec.tree import (
+    ancestor_mask,
+    best_path_logprobs,
+    build_trees_from_topk,
+    topk_logprobs,
+)
 from flashtree.spec.verify import Candidates, walk
 
 TREE_SAMPLING_MODES = ("match", "rrs")
@@ -44,6 +52,11 @@ class SpecConfig:
                              f"{list(TREE_SAMPLING_MODES)}")
 
     @property
+    def max_budget(self) -> int:
+        """Draft candidates verified per request at most: tree nodes or chain drafts."""
+        return self.tree_budget if self.method == "ddtree" else self.block_size - 1
+
+    @property
     def lookahead(self) -> int:
         """Tokens a step writes past the committed ones: the draft block, and the candidates
         (a chain of block_size, or a tree of tree_budget + 1 nodes)."""
@@ -56,18 +69,24 @@ class _Planned:
     cand: Candidates
     depths: list[int]
     draft_probs: torch.Tensor | None  # [L, V] q rows when the candidates were sampled (RRS)
+    predicted: float | None = None  # the policy's raw expected accepted drafts (adaptive)
 
 
 class SpeculativeDecoder:
     def __init__(
         self, cfg: SpecConfig, proposer: DFlashProposer, runner: ModelRunner, cache: KVCache,
-        pages: PageTables,
+        pages: PageTables, policy: SpecPolicy | None = None,
     ) -> None:
         self.cfg, self.proposer, self.runner = cfg, proposer, runner
         self.cache, self.pages = cache, pages
+        self.policy = policy  # None: every request verifies the full block or tree budget
         lm_head = runner.model.lm_head
         self._vocab_start, self._vocab_size = lm_head.vocab_start, lm_head.vocab_size
         self.stats = SpecStats()
+
+    def wants_draft(self) -> bool:
+        """Whether this decode step speculates (the adaptive policy may run it plain)."""
+        return self.policy is None or self.policy.should_draft()
 
     def step(self, seqs: list[Sequence]) -> list[Verified]:
         """Returns what each request commits (accepted drafts + the target's next one) and how
@@ -98,7 +117,7 @@ class SpeculativeDecoder:
                                          lambda v, _prev, rows=rows: rows[v], plan.draft_probs,
                                          GeneratorDraws(seq.generator))
                 else:
-                    decisions = self._node_decisions(seq, rows)
+                    decisions = self._node_decisions(seq, rows, plan.depths)
                     path, new = walk(plan.cand.children, lambda v, _prev, d=decisions: d[v])
             start = seq.num_computed
             # The accepted nodes' KV moves to logical indices start.., the rest is dropped.
@@ -107,8 +126,13 @@ class SpeculativeDecoder:
             rows_kept = torch.tensor(path, device=features.device) + base
             injected.append(ContextRows(seq.seq_id, start, features[rows_kept]))
             committed.append(Verified(new, n - 1))
+            if self.policy is not None and plan.predicted is not None:
+                self.policy.observe(seq.seq_id, len(path) - 1, plan.predicted)
+            self.stats.record_budget(n - 1)
             base += n
         self.proposer.inject(injected)
+        if self.policy is not None:
+            self.policy.forget({s.seq_id for s in seqs})
         return committed
 
     # ------------------------------------------------------------------ candidates
@@ -138,31 +162,92 @@ class SpeculativeDecoder:
                 greedy[s.seq_id] = argmax[offset : offset + b - 1]
                 offset += b - 1
         plans: list[_Planned | None] = [None] * len(seqs)
-        deterministic_trees = []
+        chains, trees = [], []  # indices of requests with deterministic candidates
         for i, s in enumerate(seqs):
             draft = rows.get(s.seq_id)
             if draft is not None and cfg.tree_sampling == "rrs" and not s.params.greedy:
                 plans[i] = self._sampled(s, draft)
             elif draft is None or cfg.method == "dflash":
-                drafts = greedy.get(s.seq_id, [])
-                plans[i] = _Planned(Candidates.chain(s.output_ids[-1], drafts),
-                                    list(range(len(drafts) + 1)), None)
+                chains.append(i)
             else:
-                deterministic_trees.append(i)
-        if deterministic_trees:
-            stacked = torch.stack([rows[seqs[i].seq_id] for i in deterministic_trees])
-            roots = torch.tensor([seqs[i].output_ids[-1] for i in deterministic_trees])
-            k = min(cfg.tree_budget, self._vocab_size, cfg.topk_cap or self._vocab_size)
-            top_lp, top_tok = (topk_logprobs(stacked, k) if full
-                               else vocab_topk_logprobs(stacked, k, self._vocab_start))
-            trees = build_trees_from_topk(top_lp, top_tok, roots, cfg.tree_budget)
-            tokens, parents = trees.tokens.tolist(), trees.parent.tolist()
-            depths = trees.depth.tolist()
-            for j, i in enumerate(deterministic_trees):
-                cand = Candidates.tree(tokens[j], parents[j], depths[j], seqs[i].num_computed,
-                                       trees.visible[j])
-                plans[i] = _Planned(cand, depths[j], None)
+                trees.append(i)
+        if chains:
+            self._plan_chains(seqs, chains, rows, greedy, full, plans)
+        if trees:
+            self._plan_trees(seqs, trees, rows, full, plans)
         return [p for p in plans if p is not None]
+
+    def _plan_chains(self, seqs: list[Sequence], chains: list[int],
+                     rows: dict[int, torch.Tensor], greedy: dict[int, list[int]], full: bool,
+                     plans: list[_Planned | None]) -> None:
+        """Chain candidates: the drafter's argmax tokens, all of them or (adaptive) the first
+        c, with c chosen by the policy from the chain's cumulative path probabilities."""
+        lengths = [len(greedy.get(seqs[i].seq_id, [])) for i in chains]
+        predicted: list[float | None] = [None] * len(chains)
+        drafted = [j for j, n in enumerate(lengths) if n > 0]
+        if self.policy is not None and drafted:
+            ids = [seqs[chains[j]].seq_id for j in drafted]
+            packed = torch.cat([rows[s] for s in ids])  # [sum of lengths, V]
+            top1 = self._top_logprobs(packed, 1, full)[0][:, 0].tolist()  # one device sync
+            gains, offset = [], 0
+            for j in drafted:
+                # Expected accepted drafts of the first c: sum over d <= c of prod_{i<=d} q_i.
+                reach = list(itertools.accumulate(
+                    math.exp(x) for x in itertools.accumulate(top1[offset : offset + lengths[j]])))
+                offset += lengths[j]
+                gains.append([0.0] + [reach[min(b, len(reach)) - 1]
+                                      for b in self.policy.levels[1:]])
+            for j, b, g in zip(drafted, self.policy.choose(ids, gains), gains):
+                lengths[j] = min(b, lengths[j])
+                predicted[j] = g[self.policy.levels.index(b)]
+        for j, i in enumerate(chains):
+            s = seqs[i]
+            drafts = greedy.get(s.seq_id, [])[: lengths[j]]
+            plans[i] = _Planned(Candidates.chain(s.output_ids[-1], drafts),
+                                list(range(len(drafts) + 1)), None, predicted[j])
+
+    def _plan_trees(self, seqs: list[Sequence], trees: list[int],
+                    rows: dict[int, torch.Tensor], full: bool,
+                    plans: list[_Planned | None]) -> None:
+        """DDTree candidates: the best-first tree of the full budget, or (adaptive) of the
+        budget the policy picks from the trees' own path probabilities."""
+        cfg = self.cfg
+        stacked = torch.stack([rows[seqs[i].seq_id] for i in trees])
+        roots = torch.tensor([seqs[i].output_ids[-1] for i in trees])
+        k = min(cfg.tree_budget, self._vocab_size, cfg.topk_cap or self._vocab_size)
+        top_lp, top_tok = self._top_logprobs(stacked, k, full)
+        budgets = [cfg.tree_budget] * len(trees)
+        predicted: list[float | None] = [None] * len(trees)
+        if self.policy is not None:
+            ids = [seqs[i].seq_id for i in trees]
+            # Expected accepted drafts of the best b nodes: the sum of their path probabilities.
+            best = best_path_logprobs(top_lp, cfg.tree_budget).exp().cumsum(1)  # [R, budget]
+            best = torch.cat([best.new_zeros(len(trees), 1), best], dim=1).tolist()
+            gains = [[row[min(b, len(row) - 1)] for b in self.policy.levels] for row in best]
+            budgets = self.policy.choose(ids, gains)
+            predicted = [g[self.policy.levels.index(b)] for g, b in zip(gains, budgets)]
+        for budget in sorted(set(budgets)):
+            group = [j for j, b in enumerate(budgets) if b == budget]
+            if budget == 0:
+                for j in group:
+                    plans[trees[j]] = _Planned(Candidates.chain(int(roots[j]), []), [0], None,
+                                               predicted[j])
+                continue
+            built = build_trees_from_topk(top_lp[group], top_tok[group], roots[group], budget)
+            tokens, parents = built.tokens.tolist(), built.parent.tolist()
+            depths = built.depth.tolist()
+            for g, j in enumerate(group):
+                i = trees[j]
+                cand = Candidates.tree(tokens[g], parents[g], depths[g], seqs[i].num_computed,
+                                       built.visible[g])
+                plans[i] = _Planned(cand, depths[g], None, predicted[j])
+
+    def _top_logprobs(self, logits: torch.Tensor, k: int, full: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best draft tokens and their full-vocabulary log-probabilities, from whole
+        logits (`full`) or from this TP rank's vocab slice."""
+        return (topk_logprobs(logits, k) if full
+                else vocab_topk_logprobs(logits, k, self._vocab_start))
 
     def _sampled(self, seq: Sequence, draft: torch.Tensor) -> _Planned:
         """RRS candidates: q_d = softmax(draft logits / T); a chain of one sample per depth for
@@ -195,16 +280,18 @@ class SpeculativeDecoder:
         visible = cand.visible
         if visible is None:  # a chain: each node's path is every node up to it
             visible = torch.ones(n, n, dtype=torch.bool, device=logits.device).tril()
-        path_tokens = torch.tensor(cand.tokens[1:], device=logits.device)
+        path_tokens = torch.tensor(cand.tokens[1:], dtype=torch.long, device=logits.device)
         one_hot = torch.nn.functional.one_hot(path_tokens, vocab).to(logits.dtype)  # [n-1, V]
         path_counts = visible[:, 1:].to(device=logits.device, dtype=logits.dtype) @ one_hot
         rows = penalize_rows(logits, seq.params, seq.prompt_ids, seq.output_ids, path_counts)
         return rows if seq.params.greedy else probabilities(rows, seq.params)
 
     @staticmethod
-    def _node_decisions(seq: Sequence, rows: torch.Tensor) -> list[int]:
-        """The target's decision at every node: argmax, or one independent sample per node
-        from its own distribution (sample-and-match); one host sync per request."""
+    def _node_decisions(seq: Sequence, rows: torch.Tensor, depths: list[int]) -> list[int]:
+        """The target's decision at every node: argmax, or a draw from the node's own
+        distribution with the uniform of the output position it decides (sample-and-match;
+        plain decoding draws that position with the same uniform); one host sync per request."""
         if seq.params.greedy:
             return rows.argmax(dim=-1).tolist()
-        return torch.multinomial(rows, 1, generator=seq.generator).view(-1).tolist()
+        base = len(seq.output_ids)  # the root decides output position base
+        return inverse_cdf(rows, [uniform(seq.seed, base + d) for d in depths]).tolist()

@@ -35,6 +35,9 @@ class ServerMetrics:
                               "Candidate tokens accepted", registry=r)
         self.accepted_per_pos = Gauge("flashtree:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted candidates by depth", ["position"], registry=r)
+        self.budgets = Gauge("flashtree:spec_decode_budget_request_steps",
+                             "Request-steps by the draft budget chosen (0: plain decoding)",
+                             ["budget"], registry=r)
 
     def observe_finished(self, req, now: float) -> None:
         seq = req.seq
@@ -60,3 +63,5 @@ class ServerMetrics:
             self.accepted.set(stats.num_accepted_tokens)
             for pos, count in enumerate(stats.accepted_per_pos):
                 self.accepted_per_pos.labels(str(pos)).set(count)
+            for budget, count in stats.budgets.items():
+                self.budgets.labels(str(budget)).set(count)

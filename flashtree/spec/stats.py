@@ -11,6 +11,8 @@ class SpecStats:
     num_draft_tokens: int = 0  # candidate tokens verified (tree nodes or chain drafts)
     num_accepted_tokens: int = 0  # candidates accepted (the bonus token not counted)
     accepted_per_pos: list[int] = field(default_factory=list)  # [depth - 1] -> accepted
+    # Request-steps by draft budget (candidates verified; 0: the step ran plain decoding).
+    budgets: dict[int, int] = field(default_factory=dict)
 
     def record(self, num_candidates: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -20,3 +22,6 @@ class SpecStats:
             self.accepted_per_pos += [0] * (num_accepted - len(self.accepted_per_pos))
         for pos in range(num_accepted):
             self.accepted_per_pos[pos] += 1
+
+    def record_budget(self, budget: int, requests: int = 1) -> None:
+        self.budgets[budget] = self.budgets.get(budget, 0) + requests

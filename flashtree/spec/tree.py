@@ -55,21 +55,16 @@ def build_trees_from_topk(
     r, depth_max, k = top_lp.shape
     device = top_lp.device
 
-    keys, tokens, parents, depths = [], [], [], []
-    prev = torch.zeros(r, 1, dtype=torch.float64, device=device)  # root key
+    keys, flat = _best_first_levels(top_lp, budget)
+    tokens, parents, depths = [], [], []
     offset_prev = 0  # index of the previous level's first entry in the concatenation
     offset = 0
-    for d in range(depth_max):
-        cand = prev[:, :, None] + top_lp[:, d, None, :] - _DEPTH_TIEBREAK  # [R, P, K]
-        keep = min(budget, cand.shape[1] * k)
-        key, idx = cand.flatten(1).topk(keep, dim=-1)  # [R, keep], sorted descending
-        keys.append(key)
+    for d, idx in enumerate(flat):
         tokens.append(top_tok[:, d].gather(1, idx % k))
         # Parent as an index into the concatenation of all levels; -1 marks the root.
         parents.append(idx // k + offset_prev if d > 0 else torch.full_like(idx, -1))
         depths.append(torch.full_like(idx, d + 1))
-        offset_prev, offset = offset, offset + keep
-        prev = key
+        offset_prev, offset = offset, offset + idx.shape[1]
     all_keys = torch.cat(keys, dim=1)  # [R, total]
     total = all_keys.shape[1]
     n_sel = min(budget, total)
@@ -102,6 +97,33 @@ def build_trees_from_topk(
         num_nodes=torch.full((r,), n, dtype=torch.long, device=device),
         visible=ancestor_mask(parent, int(depth.max())),
     )
+
+
+def _best_first_levels(
+    top_lp: torch.Tensor, budget: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per depth d, the keys (path log-probability, minus the depth tie-break) of the best
+    `budget` prefixes of length d + 1, sorted descending [R, keep_d], and their flat indices
+    parent_rank * K + k into the previous level's kept prefixes times the K tokens."""
+    r, depth_max, k = top_lp.shape
+    keys, flat = [], []
+    prev = torch.zeros(r, 1, dtype=torch.float64, device=top_lp.device)  # root key
+    for d in range(depth_max):
+        cand = prev[:, :, None] + top_lp[:, d, None, :] - _DEPTH_TIEBREAK  # [R, P, K]
+        key, idx = cand.flatten(1).topk(min(budget, cand.shape[1] * k), dim=-1)
+        keys.append(key)
+        flat.append(idx)
+        prev = key
+    return keys, flat
+
+
+def best_path_logprobs(top_lp: torch.Tensor, budget: int) -> torch.Tensor:
+    """[R, L, K] (as `build_trees_from_topk` takes) -> [R, budget] the path log-probabilities
+    of the nodes a tree of `budget` selects, best first (-inf where it has fewer): the first b
+    of them are the tree of budget b."""
+    keys = torch.cat(_best_first_levels(top_lp, budget)[0], dim=1)  # [R, total]
+    best = keys.topk(min(budget, keys.shape[1]), dim=-1).values
+    return torch.nn.functional.pad(best, (0, budget - best.shape[1]), value=-torch.inf)
 
 
 def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:

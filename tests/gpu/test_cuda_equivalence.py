@@ -29,7 +29,8 @@ def check_spec_equals_plain_on_cuda(root: Path) -> dict[str, float]:
     expected = [o.outputs[0].token_ids for o in plain]
     means = {}
     for spec, kw in (("dflash", {}), ("ddtree", {"tree_budget": 24})):
-        llm = LLM(model=str(target), draft=str(drafter), spec=spec, **common, **kw)
+        llm = LLM(model=str(target), draft=str(drafter), spec_policy="fixed",
+                  spec=spec, **common, **kw)
         outs = llm.generate(PROMPTS, sp)
         assert [o.outputs[0].token_ids for o in outs] == expected, spec
         assert llm.engine.pages.num_free == llm.engine.pages.num_pages

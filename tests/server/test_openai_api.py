@@ -94,7 +94,8 @@ def test_metrics_counters_move(client, server):
     base = server[0]
     before = {n: _metric(base, n) for n in (
         "flashtree:generation_tokens_total", "flashtree:spec_decode_num_drafts",
-        "flashtree:e2e_request_latency_seconds_count", "flashtree:spec_decode_num_draft_tokens")}
+        "flashtree:e2e_request_latency_seconds_count", "flashtree:spec_decode_num_draft_tokens",
+        "flashtree:spec_decode_budget_request_steps")}
     client.completions.create(model=MODEL, prompt="Count", max_tokens=12, temperature=0,
                               extra_body={"ignore_eos": True})
     for name, value in before.items():

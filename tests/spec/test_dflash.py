@@ -50,7 +50,8 @@ def reference(target_dir, drafter_dir):
 
 def _llm(target_dir, drafter_dir=None, **kw) -> LLM:
     spec = "dflash" if drafter_dir else "none"
-    return LLM(model=str(target_dir), draft=drafter_dir and str(drafter_dir), spec=spec,
+    return LLM(model=str(target_dir), draft=drafter_dir and str(drafter_dir), spec_policy="fixed",
+               spec=spec,
                device="cpu", dtype="float32", skip_tokenizer_init=True, **kw)
 
 

@@ -91,7 +91,8 @@ def sample_counts(llm: LLM, t: float) -> dict[tuple[int, ...], int]:
 
 def _llm(pair, spec, mode) -> LLM:
     target, drafter = pair
-    return LLM(model=str(target), draft=str(drafter), spec=spec, tree_sampling=mode,
+    return LLM(model=str(target), draft=str(drafter), spec_policy="fixed",
+               spec=spec, tree_sampling=mode,
                tree_budget=6 if spec == "ddtree" else None, device="cpu",
                skip_tokenizer_init=True, max_num_seqs=256)
 

@@ -208,7 +208,8 @@ def test_ddtree_greedy_equals_plain(small_pair, budget, cap):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = LLM(model=str(target), device="cpu", skip_tokenizer_init=True)
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
-    tree = LLM(model=str(target), draft=str(drafter), spec="ddtree", tree_budget=budget,
+    tree = LLM(model=str(target), draft=str(drafter), spec_policy="fixed",
+               spec="ddtree", tree_budget=budget,
                topk_cap=cap, device="cpu", skip_tokenizer_init=True, page_size=4)
     outs = tree.generate(PROMPTS, sp)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -239,7 +240,8 @@ def test_ddtree_budget_raises_acceptance(small_pair):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     mean = {}
     for budget in (1, 24):
-        llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", tree_budget=budget,
+        llm = LLM(model=str(target), draft=str(drafter), spec_policy="fixed",
+                  spec="ddtree", tree_budget=budget,
                   device="cpu", skip_tokenizer_init=True)
         lengths = [x for o in llm.generate(PROMPTS, sp) for x in o.outputs[0].spec_accept_lengths]
         mean[budget] = sum(lengths) / len(lengths)
@@ -269,9 +271,11 @@ def test_surrogate_objective_equals_expected_acceptance():
 def test_tree_forced_to_a_chain_equals_dflash(small_pair):
     target, drafter = small_pair
     sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    chain = LLM(model=str(target), draft=str(drafter), spec="dflash", device="cpu",
+    chain = LLM(model=str(target), draft=str(drafter), spec_policy="fixed",
+                spec="dflash", device="cpu",
                 skip_tokenizer_init=True).generate(PROMPTS, sp)
-    forced = LLM(model=str(target), draft=str(drafter), spec="ddtree", tree_budget=7,
+    forced = LLM(model=str(target), draft=str(drafter), spec_policy="fixed",
+                 spec="ddtree", tree_budget=7,
                  topk_cap=1, device="cpu", skip_tokenizer_init=True).generate(PROMPTS, sp)
     for a, b in zip(chain, forced):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -284,7 +288,8 @@ def test_ddtree_accepts_at_least_the_chain(small_pair):
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     means = {}
     for spec in ("dflash", "ddtree"):
-        llm = LLM(model=str(target), draft=str(drafter), spec=spec, device="cpu",
+        llm = LLM(model=str(target), draft=str(drafter), spec_policy="fixed",
+                  spec=spec, device="cpu",
                   skip_tokenizer_init=True)
         lengths = [x for o in llm.generate(PROMPTS, sp) for x in o.outputs[0].spec_accept_lengths]
         means[spec] = sum(lengths) / len(lengths)

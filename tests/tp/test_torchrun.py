@@ -21,7 +21,8 @@ def test_torchrun_two_ranks_equal_one_process(tiny):  # noqa: F811
          str(drafter)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    one = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
+    one = LLM(model=str(target), draft=str(drafter), spec_policy="fixed",
+              spec="ddtree", device="cpu",
               skip_tokenizer_init=True)
     want = one.generate([[1, 5, 7, 9], [3, 4]],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -29,7 +29,7 @@ def tiny(tmp_path_factory):
 
 def _llm(tiny, spec: str, tp: int) -> LLM:
     target, drafter = tiny
-    extra = {} if spec == "none" else {"draft": str(drafter), "spec": spec}
+    extra = {} if spec == "none" else {"draft": str(drafter), "spec": spec, "spec_policy": "fixed"}
     return LLM(model=str(target), device="cpu", skip_tokenizer_init=True,
                tensor_parallel_size=tp, **extra)
 

@@ -7,7 +7,8 @@ import sys
 from flashtree import LLM, SamplingParams
 
 model, drafter = sys.argv[1], sys.argv[2]
-llm = LLM(model=model, draft=drafter, spec="ddtree", device="cpu", skip_tokenizer_init=True,
+llm = LLM(model=model, draft=drafter, spec="ddtree", spec_policy="fixed",
+          device="cpu", skip_tokenizer_init=True,
           tensor_parallel_size=2)
 outs = llm.generate([[1, 5, 7, 9], [3, 4]],
                     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
+from flashtree.spec.policy import CostModel
 from flashtree.train.drafter import (
     TrainConfig,
     drafter_hf_config,
@@ -71,14 +72,49 @@ def trained(tmp_path_factory):
     return root
 
 
-def _mean_accept(root, drafter: str, spec: str) -> float:
-    llm = LLM(model=str(root / "target"), draft=str(root / drafter), spec=spec, device="cpu",
-              skip_tokenizer_init=True)
+def _held_out_run(root, drafter: str, spec: str, policy: str = "fixed", prepare=None):
+    llm = LLM(model=str(root / "target"), draft=str(root / drafter), spec_policy=policy,
+              spec=spec, device="cpu", skip_tokenizer_init=True)
+    if prepare is not None:
+        prepare(llm)
     rng = random.Random(99)  # held-out starts
     prompts = [stride_sequence(rng.randint(1, 3), rng.randrange(DIGITS), 2) for _ in range(8)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=33, ignore_eos=True))
+    return llm, outs
+
+
+def _mean_accept(root, drafter: str, spec: str) -> float:
+    _, outs = _held_out_run(root, drafter, spec)
     lengths = [x for o in outs for x in o.outputs[0].spec_accept_lengths]
     return sum(lengths) / len(lengths)
+
+
+def test_plain_steps_between_speculative_ones_keep_the_drafter_in_step(trained):
+    """The adaptive policy runs some steps plain (here: forced after every other draft); those
+    steps must still feed the drafter its context, so the speculative steps keep accepting
+    nearly whole blocks."""
+    def force_plain_steps(llm):
+        policy = llm.engine.speculative.policy
+        policy.cost = CostModel(((1, 1.0), (4096, 1.0)), ((1, 0.0), (64, 0.0)))  # flat: max
+        choose = policy.choose
+
+        def choose_then_skip(ids, gains):
+            picks = choose(ids, gains)
+            policy.plain_steps_left = 1
+            return picks
+        policy.choose = choose_then_skip
+
+    def accepted_per_draft(llm) -> float:
+        stats = llm.engine.speculative.stats
+        return stats.num_accepted_tokens / stats.num_drafts
+
+    mixed, _ = _held_out_run(trained, "drafter", "dflash", "adaptive", force_plain_steps)
+    fixed, _ = _held_out_run(trained, "drafter", "dflash")
+    stats = mixed.engine.speculative.stats
+    assert stats.budgets[0] >= stats.num_drafts // 2  # plain request-steps really ran
+    # Out of step, the drafter would accept about nothing (the untrained one's level).
+    assert accepted_per_draft(fixed) >= 0.6 * BLOCK
+    assert accepted_per_draft(mixed) >= 0.9 * accepted_per_draft(fixed)
 
 
 def test_trained_drafter_accepts_nearly_whole_blocks(trained):
@@ -96,7 +132,7 @@ def test_reference_package_loads_and_reproduces_our_output(trained):
                                                             dtype=torch.float32).eval()
     assert drafter.block_size == BLOCK and drafter.mask_token_id == MASK
     ours = LLM(model=str(trained / "target"), draft=str(trained / "drafter"), spec="dflash",
-               device="cpu", skip_tokenizer_init=True)
+               spec_policy="fixed", device="cpu", skip_tokenizer_init=True)
     prompt = stride_sequence(2, 5, 2)
     ref = dflash_model.dflash_generate(drafter, target.eval(), torch.tensor([prompt]), 24, None,
                                        return_stats=True)

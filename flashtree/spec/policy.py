@@ -1,0 +1,158 @@
+"""How much to speculate, per request and per step: the budget (draft nodes verified) that
+maximises expected committed tokens per second of the whole batch, from a measured cost model of
+the target and drafter forwards and an acceptance model built on the drafter's own path
+probabilities, calibrated by each request's acceptance so far.
+
+A request verified with budget b commits 1 + A tokens, A the accepted drafts. The drafter's
+probability of a node's path is q(u) = prod_i q_i(u_i); were it calibrated, the expected A of a
+candidate set is the sum of q over its nodes (the target's path passes through node u with
+probability q(u)). Real drafters are not calibrated, so each request scales these sums by its
+own ratio of accepted to predicted drafts (shrunk towards the batch's ratio while it has few
+steps). Budgets come from a fixed ladder (`budget_levels`), so the step shapes stay in the set
+that CUDA graphs capture; budget 0 verifies the bonus token alone (a plain decode step)."""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+
+POLICIES = ("adaptive", "fixed")
+_DECAY = 0.9  # weight of the past in the acceptance sums, per step
+_PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
+_MAX_BACKOFF = 32  # at most this many plain steps between two probes of speculation
+
+
+def budget_levels(max_budget: int) -> tuple[int, ...]:
+    """0, 1, 2, 4, ... below `max_budget`, then `max_budget` itself."""
+    levels, b = [0], 1
+    while b < max_budget:
+        levels.append(b)
+        b *= 2
+    return (*levels, max_budget)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one forward as a function of its size, linear between measured points and
+    beyond the last one along the last segment's slope."""
+
+    target: tuple[tuple[int, float], ...]  # (tokens in the target forward, seconds), ascending
+    draft: tuple[tuple[int, float], ...]  # (requests drafting one block each, seconds)
+
+    def target_s(self, tokens: int) -> float:
+        return _interpolate(self.target, tokens)
+
+    def draft_s(self, requests: int) -> float:
+        return _interpolate(self.draft, requests) if requests else 0.0
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], x: int) -> float:
+    assert points, "a cost curve needs at least one measured point"
+    xs = [p[0] for p in points]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
+    if len(points) == 1:
+        return points[0][1] * max(x, 1) / max(points[0][0], 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def choose_budgets(
+    gains: list[list[float]], levels: tuple[int, ...], cost: CostModel, draft_s: float
+) -> tuple[list[int], float]:
+    """Per request, an index into `levels`, maximising
+    (N + sum_r gains[r][j_r]) / (draft_s + T(N + sum_r levels[j_r])) for N requests whose
+    expected accepted drafts at level j are gains[r][j] (gains[r][0] == 0, budget 0). Greedy:
+    upgrades are taken in order of gain per extra verified token, and the best prefix of that
+    order is kept. Returns (the chosen level indices, the expected tokens per second)."""
+    n = len(gains)
+    chosen = [0] * n
+    tokens, expected = n, float(n)
+    best_value = expected / (draft_s + cost.target_s(tokens))
+    best_prefix: list[tuple[int, int]] = []
+    taken: list[tuple[int, int]] = []
+    heap = [(-_rate(g, levels, 0), r) for r, g in enumerate(gains) if len(levels) > 1]
+    heapq.heapify(heap)
+    while heap:
+        _, r = heapq.heappop(heap)
+        j = chosen[r]
+        chosen[r] = j + 1
+        tokens += levels[j + 1] - levels[j]
+        expected += gains[r][j + 1] - gains[r][j]
+        taken.append((r, j + 1))
+        value = expected / (draft_s + cost.target_s(tokens))
+        if value > best_value:
+            best_value, best_prefix = value, list(taken)
+        if j + 2 < len(levels):
+            heapq.heappush(heap, (-_rate(gains[r], levels, j + 1), r))
+    result = [0] * n
+    for r, j in best_prefix:
+        result[r] = j
+    return result, best_value
+
+
+def _rate(gain: list[float], levels: tuple[int, ...], j: int) -> float:
+    return (gain[j + 1] - gain[j]) / (levels[j + 1] - levels[j])
+
+
+@dataclass
+class Calibration:
+    """Decayed sums of accepted and predicted drafts (one request's, or the batch's)."""
+
+    accepted: float = 0.0
+    predicted: float = 0.0
+
+    def add(self, accepted: int, predicted: float) -> None:
+        self.accepted = _DECAY * self.accepted + accepted
+        self.predicted = _DECAY * self.predicted + predicted
+
+
+@dataclass
+class SpecPolicy:
+    """The adaptive policy's state: calibrations, and when to probe speculation again after a
+    step where drafting did not pay for itself."""
+
+    cost: CostModel
+    levels: tuple[int, ...]
+    batch: Calibration = field(default_factory=Calibration)
+    requests: dict[int, Calibration] = field(default_factory=dict)
+    backoff: int = 0
+    plain_steps_left: int = 0
+
+    def should_draft(self) -> bool:
+        """False while the last probe said plain decoding is faster (the step runs plain)."""
+        if self.plain_steps_left > 0:
+            self.plain_steps_left -= 1
+            return False
+        return True
+
+    def scale(self, seq_id: int) -> float:
+        """Accepted per predicted draft for this request, shrunk towards the batch's ratio."""
+        prior = self.batch.accepted / self.batch.predicted if self.batch.predicted > 0 else 1.0
+        own = self.requests.get(seq_id, Calibration())
+        return (own.accepted + _PRIOR_STEPS * prior) / (own.predicted + _PRIOR_STEPS)
+
+    def choose(self, seq_ids: list[int], raw_gains: list[list[float]]) -> list[int]:
+        """Budgets (from `levels`) for one drafted batch; raw_gains[r][j] is request r's sum of
+        drafter path probabilities over the nodes of budget levels[j]."""
+        gains = [[g * self.scale(s) for g in row] for s, row in zip(seq_ids, raw_gains)]
+        n = len(seq_ids)
+        picks, value = choose_budgets(gains, self.levels, self.cost, self.cost.draft_s(n))
+        plain_value = n / self.cost.target_s(n)
+        if value < plain_value:  # drafting did not pay: plain steps, then probe again
+            self.backoff = min(max(1, 2 * self.backoff), _MAX_BACKOFF)
+            self.plain_steps_left = self.backoff
+        else:
+            self.backoff = 0
+        return [self.levels[j] for j in picks]
+
+    def observe(self, seq_id: int, accepted: int, predicted: float) -> None:
+        """After verification: `accepted` drafts of the chosen candidates, whose raw predicted
+        sum was `predicted`."""
+        self.requests.setdefault(seq_id, Calibration()).add(accepted, predicted)
+        self.batch.add(accepted, predicted)
+
+    def forget(self, live: set[int]) -> None:
+        """Drop the calibration of requests that are gone."""
+        for seq_id in [s for s in self.requests if s not in live]:
+            del self.requests[seq_id]

@@ -1,0 +1,195 @@
+"""The adaptive speculation policy: budget choice on synthetic cost and acceptance curves, the
+expected-acceptance model against brute-force enumeration of draft trees, the cost profile, and
+the engine running it (lossless, with budgets that really vary and plain steps in between)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from flashtree import LLM, SamplingParams
+from flashtree.spec.cost import load_profile, save_profile
+from flashtree.spec.policy import CostModel, SpecPolicy, budget_levels, choose_budgets
+from flashtree.spec.tree import best_path_logprobs, build_trees, topk_logprobs
+from tests.tiny import save_reference_drafter, save_tiny_qwen3
+
+LEVELS = budget_levels(15)  # (0, 1, 2, 4, 8, 15)
+
+
+def _cost(per_token: float, base: float = 1.0, draft: float = 0.1) -> CostModel:
+    return CostModel(((1, base), (4096, base + 4095 * per_token)), ((1, draft), (64, draft)))
+
+
+def _chain_gains(accept: float) -> list[float]:
+    """Expected accepted drafts of a chain of each level when each draft is accepted with
+    probability `accept` given its parent was."""
+    return [sum(accept ** d for d in range(1, b + 1)) for b in LEVELS]
+
+
+def test_budget_levels_are_a_fixed_ladder_ending_at_the_maximum():
+    assert budget_levels(15) == (0, 1, 2, 4, 8, 15)
+    assert budget_levels(16) == (0, 1, 2, 4, 8, 16)
+    assert budget_levels(1) == (0, 1)
+
+
+def test_expensive_verify_and_low_acceptance_choose_plain_decoding():
+    gains = [_chain_gains(0.1)] * 8
+    picks, value = choose_budgets(gains, LEVELS, _cost(per_token=0.5), draft_s=0.1)
+    assert picks == [0] * 8
+    assert value == pytest.approx(8 / (0.1 + _cost(0.5).target_s(8)))
+
+
+def test_flat_verify_and_high_acceptance_choose_the_largest_budget():
+    gains = [_chain_gains(0.95)] * 8
+    picks, _ = choose_budgets(gains, LEVELS, _cost(per_token=1e-6), draft_s=0.1)
+    assert picks == [len(LEVELS) - 1] * 8
+
+
+def test_budgets_follow_each_request_and_match_exhaustive_search():
+    """Two requests with different acceptance under a verify cost that grows: the greedy choice
+    equals the best of all level pairs, and the better drafted request gets more."""
+    gains = [_chain_gains(0.9), _chain_gains(0.4)]
+    cost, draft_s = _cost(per_token=0.02), 0.1
+    picks, value = choose_budgets(gains, LEVELS, cost, draft_s)
+
+    def objective(js):
+        tokens = 2 + sum(LEVELS[j] for j in js)
+        return (2 + sum(g[j] for g, j in zip(gains, js))) / (draft_s + cost.target_s(tokens))
+
+    best = max(itertools.product(range(len(LEVELS)), repeat=2), key=objective)
+    assert value == pytest.approx(objective(best))
+    assert picks[0] > picks[1]
+
+
+def test_a_probe_that_does_not_pay_backs_off_doubling_then_recovers():
+    policy = SpecPolicy(_cost(per_token=0.5), LEVELS)
+    plain_runs = []
+    for _ in range(7):
+        assert policy.should_draft()
+        policy.choose([0], [_chain_gains(0.05)])  # drafting loses: plain steps follow
+        skipped = 0
+        while not policy.should_draft():
+            skipped += 1
+        plain_runs.append(skipped)
+        policy.plain_steps_left = 0  # should_draft() above already consumed one probe
+    assert plain_runs == [1, 2, 4, 8, 16, 32, 32]
+    policy.cost = _cost(per_token=1e-6)
+    policy.choose([0], [_chain_gains(0.95)])
+    assert policy.backoff == 0 and policy.should_draft()
+
+
+def test_calibration_scales_predictions_by_observed_acceptance():
+    policy = SpecPolicy(_cost(per_token=1e-6), LEVELS)
+    assert policy.scale(7) == pytest.approx(1.0)
+    for _ in range(30):
+        policy.observe(7, accepted=1, predicted=4.0)  # the drafter claims 4x too much
+    assert policy.scale(7) == pytest.approx(0.25, rel=0.05)
+    assert policy.scale(8) == pytest.approx(0.25, rel=0.05)  # a new request: the batch's ratio
+    policy.forget({8})
+    assert 7 not in policy.requests
+
+
+def test_expected_acceptance_equals_brute_force_tree_sums():
+    """best_path_logprobs' first b entries are the nodes of the budget-b tree: their path
+    probabilities equal an exhaustive enumeration of all prefixes (V^1..V^L), best first."""
+    torch.manual_seed(3)
+    vocab, depth, budget = 5, 3, 12
+    logits = torch.randn(2, depth, vocab) * 2
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    got = best_path_logprobs(topk_logprobs(logits, vocab)[0], budget)
+    for r in range(2):
+        paths = [sum(lp[r, d, t] for d, t in enumerate(p)).item()
+                 for n in range(1, depth + 1) for p in itertools.product(range(vocab), repeat=n)]
+        want = sorted(paths, reverse=True)[:budget]
+        assert got[r].tolist() == pytest.approx(want, abs=1e-6)
+        tree = build_trees(logits[r : r + 1], torch.tensor([0]), 5)
+        node_lp = [sum(lp[r, d, tree.tokens[0, a].item()]
+                       for d, a in _path(tree.parent[0].tolist(), tree.depth[0].tolist(), v))
+                   for v in range(1, 6)]
+        assert math.fsum(math.exp(x) for x in node_lp) == pytest.approx(
+            got[r, :5].exp().sum().item(), abs=1e-7)  # the depth tie-break: 1e-9
+
+
+def _path(parent: list[int], depth: list[int], v: int):
+    """(depth index, node) pairs from the root's child down to v."""
+    nodes = []
+    while v:
+        nodes.append((depth[v] - 1, v))
+        v = parent[v]
+    return reversed(nodes)
+
+
+def test_profile_cache_round_trip_and_key_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    cost = _cost(per_token=0.01)
+    key = {"target": "x", "device": "cpu"}
+    assert load_profile(key) is None
+    save_profile(key, cost)
+    assert load_profile(key) == cost
+    assert load_profile({**key, "device": "other"}) is None
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("policy")
+    target = save_tiny_qwen3(root / "t", seed=5, vocab_size=5, initializer_range=0.3)
+    drafter = save_reference_drafter(root / "d", target, seed=7, block_size=8,
+                                     initializer_range=0.3)
+    return target, drafter
+
+
+PROMPTS = [[1, 2, 3, 4, 0, 1, 2], [3, 3, 1], [0, 4, 2, 2, 1, 3, 0, 1, 4, 2, 3, 1, 0], [2]]
+
+
+@pytest.mark.parametrize("spec", ["dflash", "ddtree"])
+def test_adaptive_engine_is_lossless_with_varying_budgets_and_plain_steps(pair, spec, tmp_path,
+                                                                          monkeypatch):
+    """A cost model under which budgets differ by request and step (and some steps run plain)
+    must still give exactly plain decoding's greedy tokens, and give every KV page back."""
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    target, drafter = pair
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
+    expected = [o.outputs[0].token_ids for o in LLM(model=str(target), **common).generate(
+        PROMPTS, sp)]
+    llm = LLM(model=str(target), draft=str(drafter), spec=spec, **common)
+    policy = llm.engine.speculative.policy
+    assert policy is not None and policy.levels == budget_levels(7)
+    policy.cost = _cost(per_token=0.05, draft=0.2)  # verify grows: budgets must be chosen
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.pages.num_free == llm.engine.pages.num_pages
+    budgets = llm.engine.speculative.stats.budgets
+    assert len(budgets) >= 3, budgets  # several levels used, not one fixed budget
+    assert sum(budgets.values()) == sum(len(o.outputs[0].spec_accept_lengths) for o in outs)
+
+
+def test_policy_name_is_checked(pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match="spec_policy='greedy'.*adaptive"):
+        LLM(model=str(target), draft=str(drafter), spec_policy="greedy", device="cpu",
+            skip_tokenizer_init=True)
+
+
+@pytest.mark.parametrize("spec, policy", [("dflash", "fixed"), ("ddtree", "fixed"),
+                                          ("ddtree", "adaptive")])
+def test_seeded_sampling_with_speculation_returns_plain_samples(pair, spec, policy, tmp_path,
+                                                               monkeypatch):
+    """Each output position's token is drawn with the uniform of (seed, position), in plain
+    decoding and at every tree node alike, so sample-and-match commits exactly the samples
+    plain decoding draws, whatever budgets the policy picks (float32, same probabilities)."""
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    target, drafter = pair
+    sp = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=s, ignore_eos=True)
+          for s in range(len(PROMPTS))]
+    common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
+    plain = LLM(model=str(target), **common).generate(PROMPTS, sp)
+    llm = LLM(model=str(target), draft=str(drafter), spec=spec, spec_policy=policy, **common)
+    if policy == "adaptive":
+        llm.engine.speculative.policy.cost = _cost(per_token=0.005, draft=0.05)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert sum(llm.engine.speculative.stats.accepted_per_pos) > 0  # drafts were accepted
