@@ -28,6 +28,7 @@ from flashtree.kv.cache import KVCache
 
 _LOG2E = 1.4426950408889634
 _NO_SCORE = -1.0e30  # running max before any key: finite, so fully masked rows give p = 0
+_MAX_AUTO_SPLITS = 16
 
 
 @triton.jit
@@ -190,21 +191,32 @@ class _Launch:
 
 class TritonBackend(AttentionBackend):
     """Paged attention through `_paged_attention_kernel`. `num_splits` splits each request's
-    context (flash-decoding) so that small batches fill the GPU; it must be fixed per captured
-    graph. `max_block_m` caps the query rows per tile: larger trees times GQA group re-read the
+    context (flash-decoding) so that small batches fill the GPU; None picks enough programs
+    for about two waves over the SMs (1 off CUDA). It depends only on launch sizes, so a
+    captured graph and an eager run of the same batch shape reduce in the same order.
+    `max_block_m` caps the query rows per tile: larger trees times the GQA group re-read the
     context once per extra tile."""
 
     def __init__(
-        self, cache: KVCache, num_splits: int = 1, max_block_m: int = 64, block_n: int = 32,
-        num_warps: int = 4,
+        self, cache: KVCache, num_splits: int | None = None, max_block_m: int = 64,
+        block_n: int = 32, num_warps: int = 4,
     ) -> None:
         super().__init__(cache)
-        assert num_splits >= 1 and block_n >= 16 and max_block_m >= 16, (
+        assert (num_splits is None or num_splits >= 1) and block_n >= 16 and max_block_m >= 16, (
             f"num_splits {num_splits}, block_n {block_n}, max_block_m {max_block_m}"
         )
         self.num_splits, self.max_block_m, self.block_n = num_splits, max_block_m, block_n
         self.num_warps = num_warps
+        device = cache.k.device
+        self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                         if device.type == "cuda" else 0)
         self.launch: _Launch | None = None
+
+    def splits_for(self, programs: int) -> int:
+        """Context splits for a launch of `programs` (request, KV head, query tile) programs."""
+        if self.num_splits is not None:
+            return self.num_splits
+        return max(1, min(_MAX_AUTO_SPLITS, -(-2 * self._num_sms // programs)))
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         mask = meta.new_token_mask
@@ -227,7 +239,7 @@ class TritonBackend(AttentionBackend):
         block_m = max(16, min(self.max_block_m, triton.next_power_of_2(meta.max_query_len * group)))
         num_m_tiles = triton.cdiv(meta.max_query_len * group, block_m)
         block_d = max(16, triton.next_power_of_2(head_dim))
-        splits = self.num_splits
+        splits = self.splits_for(n * num_kv_heads * num_m_tiles)
         out = torch.empty_like(q)  # [num_tokens, heads, hd]
         if splits > 1:
             parts = n * num_kv_heads * num_m_tiles * splits

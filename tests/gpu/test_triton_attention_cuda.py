@@ -22,7 +22,7 @@ TritonBackend = pytest.importorskip("flashtree.attention.triton", reason="needs 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("q_per_kv", [1, 2, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_matches_sdpa_on_cuda(dtype, kind, q_per_kv, head_dim, num_splits):
     for seed in range(3):
         run_case(TritonBackend, kind, q_per_kv, head_dim, dtype, "cuda", seed=seed,
@@ -36,7 +36,7 @@ def test_query_tiles_and_page_sizes_on_cuda(page_size):
 
 
 @pytest.mark.parametrize("kind", ["decode", "tree"])
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
 def test_graph_replay_reads_new_metadata(kind, num_splits):
     """Capture on batch A, copy batch B (other lengths, pages, trees, K/V) into the captured
     buffers, replay: the output is B's, so nothing was baked in at capture."""
