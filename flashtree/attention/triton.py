@@ -191,9 +191,9 @@ class _Launch:
 
 class TritonBackend(AttentionBackend):
     """Paged attention through `_paged_attention_kernel`. `num_splits` splits each request's
-    context (flash-decoding) so that small batches fill the GPU; None picks enough programs
-    for about two waves over the SMs (1 off CUDA). It depends only on launch sizes, so a
-    captured graph and an eager run of the same batch shape reduce in the same order.
+    context (flash-decoding) so that small batches fill the GPU; None picks a power of two
+    giving about two waves of programs over the SMs (1 off CUDA). It depends only on launch
+    sizes, so a captured graph and an eager run of one batch shape reduce in the same order.
     `max_block_m` caps the query rows per tile: larger trees times the GQA group re-read the
     context once per extra tile."""
 
@@ -216,10 +216,19 @@ class TritonBackend(AttentionBackend):
         """Context splits for a launch of `programs` (request, KV head, query tile) programs."""
         if self.num_splits is not None:
             return self.num_splits
-        return max(1, min(_MAX_AUTO_SPLITS, -(-2 * self._num_sms // programs)))
+        wanted = min(_MAX_AUTO_SPLITS, -(-2 * self._num_sms // programs))
+        return triton.next_power_of_2(wanted) if wanted > 1 else 1  # few compiled variants
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         mask = meta.new_token_mask
+        for name in ("query_start", "kv_lens", "page_tables"):
+            t = getattr(meta, name)
+            assert t.dtype == torch.int64 and t.stride(-1) == 1, (
+                f"{name}: {t.dtype} with strides {t.stride()}; the kernel reads contiguous int64"
+            )
+        assert mask is None or (mask.dtype == torch.bool and mask.stride(-1) == 1), (
+            f"new_token_mask: {mask.dtype} with strides {mask.stride()}"
+        )
         self.launch = _Launch(meta, meta.kv_lens if mask is None else mask.view(torch.uint8))
 
     def forward(
