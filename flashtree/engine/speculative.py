@@ -211,7 +211,6 @@ class SpeculativeDecoder:
             walks.append((path, [plan.cand.tokens[v] for v in path[1:]] + [bonus]))
         return walks
 
-
     @staticmethod
     def _processed_rows(seq: Sequence, cand: Candidates, logits: torch.Tensor) -> torch.Tensor:
         """What plain decoding would sample from at every node, all nodes at once: penalties
