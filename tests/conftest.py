@@ -3,8 +3,15 @@ on a laptop CPU), and a tiny chat model with a drafter for the server and benchm
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through its interpreter, which triton reads when first
+    # imported (some test dependencies import it early).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny import save_reference_drafter, save_tiny_llama
 

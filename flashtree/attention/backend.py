@@ -34,13 +34,17 @@ class AttentionMetadata:
     # Keys more than `sliding_window - 1` positions before a query are hidden (and after it,
     # when not causal). Positions are logical indices: valid for chains, not for trees.
     sliding_window: int | None = None
+    # A captured graph's static layout: rows past query_start[-1] are padding (their K/V go to a
+    # scratch slot, their outputs are unspecified) and nothing here reads device data. Only
+    # backends that need no host-side plan (TritonBackend) accept it.
+    padded: bool = False
 
     def __post_init__(self) -> None:
         n = self.kv_lens.shape[0]
         assert self.query_start.shape == (n + 1,), (
             f"query_start {tuple(self.query_start.shape)} vs {n} sequences"
         )
-        assert self.slot_mapping.shape[0] == int(self.query_start[-1]), (
+        assert self.padded or self.slot_mapping.shape[0] == int(self.query_start[-1]), (
             f"slot_mapping has {self.slot_mapping.shape[0]} rows for {int(self.query_start[-1])} "
             "new tokens"
         )

@@ -25,6 +25,7 @@ class SdpaBackend(AttentionBackend):
     plan: _Plan | None = None
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
+        assert not meta.padded, "SDPA plans on the host: it cannot run a padded graph layout"
         device = meta.slot_mapping.device
         page = self.cache.page_size
         n, max_q, max_kv = meta.num_seqs, meta.max_query_len, meta.max_kv_len

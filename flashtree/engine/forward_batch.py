@@ -75,8 +75,8 @@ class ForwardBatch:
         max_q = max(len(it.tokens) for it in items)
         new_token_mask = None
         if any(it.visible is not None for it in items):
-            causal = torch.ones(max_q, max_q, dtype=torch.bool, device=device).tril()
-            new_token_mask = causal.repeat(len(items), 1, 1)  # [num_seqs, max_q, max_q]
+            tril = torch.ones(max_q, max_q, dtype=torch.bool, device=device).tril()
+            new_token_mask = tril.repeat(len(items), 1, 1)  # [num_seqs, max_q, max_q]
             for i, it in enumerate(items):
                 if it.visible is not None:
                     n = len(it.tokens)

@@ -27,7 +27,7 @@ from flashtree.spec.tree import (
     build_trees_from_topk,
     topk_logprobs,
 )
-from flashtree.spec.verify import Candidates, walk
+from flashtree.spec.verify import Candidates, greedy_walk, walk
 
 TREE_SAMPLING_MODES = ("match", "rrs")
 
@@ -101,15 +101,12 @@ class SpeculativeDecoder:
         all_greedy = all(s.params.argmax_only for s in seqs)
         logits, features = self.runner.forward(Mode.VERIFY, items, gather_logits=not all_greedy)
         assert features is not None, "verify must capture the drafter's target layers"
-        greedy_rows = None
-        if all_greedy:  # one device sync for the batch; TP ranks reduce their vocab slices
-            greedy_rows = vocab_argmax(logits, self._vocab_start).tolist()
+        walked = self._greedy_walks(plans, logits) if all_greedy else None
         injected, committed, base = [], [], 0
-        for seq, plan in zip(seqs, plans):
+        for i, (seq, plan) in enumerate(zip(seqs, plans)):
             n = len(plan.cand.tokens)
-            if greedy_rows is not None:
-                path, new = walk(plan.cand.children,
-                                 lambda v, _prev, base=base: greedy_rows[base + v])
+            if walked is not None:
+                path, new = walked[i]
             else:
                 rows = self._processed_rows(seq, plan.cand, logits[base : base + n])
                 if plan.draft_probs is not None:
@@ -271,6 +268,34 @@ class SpeculativeDecoder:
         return _Planned(cand, depths, q[:depth])
 
     # ------------------------------------------------------------------ target decisions
+    def _greedy_walks(self, plans: list[_Planned], logits: torch.Tensor
+                      ) -> list[tuple[list[int], list[int]]]:
+        """Every request's greedy walk as one batch of device ops (TP ranks reduce their vocab
+        slices for the argmax) and one host sync for the result: per request, the accepted
+        nodes (root first) and the committed tokens (accepted drafts + the bonus)."""
+        device = logits.device
+        sizes = [len(p.cand.tokens) for p in plans]
+        n, starts = max(sizes), [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+
+        def padded(rows: list[list[int]]) -> torch.Tensor:  # [R, n]
+            return torch.tensor([r + [0] * (n - len(r)) for r in rows], device=device)
+
+        # Padding nodes read any real row of their request: they are never accepted.
+        rows = padded([[s + min(v, size - 1) for v in range(n)]
+                       for s, size in zip(starts, sizes)])
+        argmax = vocab_argmax(logits, self._vocab_start)  # [sum(sizes)]
+        w = greedy_walk(padded([p.cand.tokens for p in plans]),
+                        padded([p.cand.parents for p in plans]),
+                        torch.tensor(sizes, device=device), argmax[rows])
+        result = torch.cat([w.num_accepted[:, None], w.bonus[:, None], w.path], 1).tolist()
+        walks = []
+        for plan, (count, bonus, *path) in zip(plans, result):
+            path = path[:count]
+            walks.append((path, [plan.cand.tokens[v] for v in path[1:]] + [bonus]))
+        return walks
+
     @staticmethod
     def _processed_rows(seq: Sequence, cand: Candidates, logits: torch.Tensor) -> torch.Tensor:
         """What plain decoding would sample from at every node, all nodes at once: penalties

@@ -15,13 +15,14 @@ class Candidates:
 
     tokens: list[int]  # [n] node tokens
     children: list[dict[int, int]]
+    parents: list[int]  # [n] parent node of each node; the root points at itself (0)
     positions: list[int] | None = None  # [n] committed length + depth; None: a chain
     visible: torch.Tensor | None = None  # [n, n] ancestor-or-self mask; None: causal chain
 
     @staticmethod
     def chain(bonus: int, drafts: list[int]) -> Candidates:
         children = [{d: j + 1} for j, d in enumerate(drafts)] + [{}]
-        return Candidates([bonus, *drafts], children)
+        return Candidates([bonus, *drafts], children, [0, *range(len(drafts))])
 
     @staticmethod
     def tree(
@@ -33,7 +34,7 @@ class Candidates:
             assert parents[node] < node, f"node {node} has parent {parents[node]}: not topological"
             assert tokens[node] not in children[parents[node]], f"duplicate sibling at {node}"
             children[parents[node]][tokens[node]] = node
-        return Candidates(tokens, children, [start + d for d in depths], visible)
+        return Candidates(tokens, children, list(parents), [start + d for d in depths], visible)
 
 
 def walk(
@@ -58,3 +59,39 @@ def walk(
             return path, out
         path.append(child)
         node = child
+
+
+@dataclass
+class GreedyWalk:
+    """The greedy walk of R requests' candidates, as device tensors."""
+
+    path: torch.Tensor  # [R, N] accepted nodes first (root, then ascending), then N as padding
+    num_accepted: torch.Tensor  # [R] accepted nodes, root included (>= 1)
+    bonus: torch.Tensor  # [R] the target's argmax at the deepest accepted node
+
+
+def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                target: torch.Tensor) -> GreedyWalk:
+    """`walk` with argmax decisions for a batch, as tensor ops without host syncs.
+
+    tokens, parents, target: [R, N] int64, nodes in topological order (parent < node, root 0
+    pointing at itself); target[r, v] is the target's argmax at node v; nodes at or past
+    num_nodes[r] are padding and never accepted. A node is accepted when its token is the
+    decision at its parent and its parent is accepted; siblings carry distinct tokens, so the
+    accepted nodes form one root path. log2(N) pointer-jumping rounds AND every node's matches
+    along its ancestors."""
+    r, n = tokens.shape
+    assert parents.shape == (r, n) and target.shape == (r, n) and num_nodes.shape == (r,), (
+        f"tokens {tuple(tokens.shape)}, parents {tuple(parents.shape)}, target "
+        f"{tuple(target.shape)}, num_nodes {tuple(num_nodes.shape)}"
+    )
+    node = torch.arange(n, device=tokens.device)
+    ok = (node < num_nodes[:, None]) & (tokens == target.gather(1, parents))  # [R, N]
+    ok[:, 0] = True
+    up = parents  # [R, N] the 2^k-th ancestor (the root is its own)
+    for _ in range(max(n - 1, 1).bit_length()):
+        ok = ok & ok.gather(1, up)
+        up = up.gather(1, up)
+    path = torch.where(ok, node, n).sort(dim=1).values
+    deepest = torch.where(ok, node, 0).amax(dim=1)  # a descendant has a larger index
+    return GreedyWalk(path, ok.sum(dim=1), target.gather(1, deepest[:, None]).squeeze(1))

@@ -1,0 +1,283 @@
+"""Paged attention as one Triton kernel for every mode: decode (1 token per request), chain
+verify (causal block), tree verify (ancestor-or-self mask), prefill chunks, and the drafter's
+bidirectional block with or without a sliding window.
+
+One program per (request, KV head, query tile, context split). Its tile holds query rows
+`token * q_per_kv + group_head` of one request, so all query heads sharing a KV head (and every
+tree node) read each context page once. Context keys are streamed through the page table with
+an online softmax and no mask beyond bounds (and the window); then the last split streams the
+new-token block, where the causal rule, the new-token mask or nothing (bidirectional) decides
+visibility. With several splits (flash-decoding) each writes a partial (acc, max, sum) and a
+second kernel merges them.
+
+Everything the kernels read is a device tensor and every launch size is a host constant of the
+forward (request count, max query length, heads), never a value read back from the device: the
+backend never syncs and can be captured in a CUDA graph. Set TRITON_INTERPRET=1 before importing
+triton to run it on CPU tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtree.attention.backend import AttentionBackend, AttentionMetadata
+from flashtree.kv.cache import KVCache
+
+_LOG2E = 1.4426950408889634
+_NO_SCORE = -1.0e30  # running max before any key: finite, so fully masked rows give p = 0
+_MAX_AUTO_SPLITS = 16
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    page_tables_ptr, kv_lens_ptr, query_start_ptr, mask_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_pb, stride_mb, stride_mq,
+    sm_scale_log2, window, num_kv_heads, num_m_tiles,
+    PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    mt = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + b)
+    ctx_len = kv_len - q_len
+
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] tile row = token * GROUP + head
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    m_i = tl.full([BLOCK_M], _NO_SCORE, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    page_row = page_tables_ptr + b * stride_pb
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # Context keys [lo, ctx_len): visible to every row (within the window). Keys before
+    # ctx_len - window + 1 are outside every row's window.
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx_len - window + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(ctx_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    c_begin = lo + split * chunk
+    c_end = tl.minimum(c_begin + chunk, ctx_len)
+    # New-token keys [ctx_len, n_end), streamed by the last split only. A causal tile's last
+    # row is token `last_tok`, so keys past it are hidden from the whole tile.
+    n_end = kv_len
+    if CAUSAL and not HAS_MASK:
+        last_tok = (mt * BLOCK_M + BLOCK_M - 1) // GROUP
+        n_end = tl.minimum(kv_len, ctx_len + last_tok + 1)
+    if split != NUM_SPLITS - 1:
+        n_end = ctx_len
+
+    for phase in tl.static_range(2):
+        if phase == 0:
+            k_begin = c_begin
+            k_end = c_end
+        else:
+            k_begin = ctx_len
+            k_end = n_end
+        for start in range(k_begin, k_end, BLOCK_N):
+            key = start + offs_n  # [BLOCK_N] logical KV index
+            key_ok = key < k_end
+            page = tl.load(page_row + key // PAGE, mask=key_ok, other=0)
+            slot = page * PAGE + key % PAGE
+            kv_ok = key_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=kv_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+            visible = key_ok[None, :] & row_ok[:, None]  # [BLOCK_M, BLOCK_N]
+            # distance = query position - key position (both logical indices)
+            distance = (ctx_len + tok)[:, None] - key[None, :]
+            if phase == 1:
+                new = key - ctx_len  # [BLOCK_N] index among the new tokens
+                if HAS_MASK:
+                    bits = tl.load(
+                        mask_ptr + b * stride_mb + tok[:, None] * stride_mq + new[None, :],
+                        mask=visible, other=0,
+                    )
+                    visible = visible & (bits != 0)
+                elif CAUSAL:
+                    visible = visible & (distance >= 0)
+                if HAS_WINDOW and not CAUSAL:
+                    visible = visible & (-distance < window)
+            if HAS_WINDOW:
+                visible = visible & (distance < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        part = ((b * num_kv_heads + kvh) * num_m_tiles + mt) * NUM_SPLITS + split
+        r = tl.arange(0, BLOCK_M)
+        tl.store(part_acc_ptr + (part * BLOCK_M + r)[:, None] * BLOCK_D + d[None, :], acc)
+        tl.store(part_m_ptr + part * BLOCK_M + r, m_i)
+        tl.store(part_l_ptr + part * BLOCK_M + r, l_i)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_ptr,
+    stride_ot, stride_oh, num_kv_heads, num_m_tiles,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    mt = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    r = tl.arange(0, BLOCK_M)
+    rows = mt * BLOCK_M + r
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    first = ((b * num_kv_heads + kvh) * num_m_tiles + mt) * NUM_SPLITS
+
+    m = tl.full([BLOCK_M], _NO_SCORE, tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(part_m_ptr + (first + s) * BLOCK_M + r))
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        part = first + s
+        w = tl.exp2(tl.load(part_m_ptr + part * BLOCK_M + r) - m)
+        l_sum += w * tl.load(part_l_ptr + part * BLOCK_M + r)
+        acc += w[:, None] * tl.load(part_acc_ptr + (part * BLOCK_M + r)[:, None] * BLOCK_D
+                                    + d[None, :])
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=(tok < q_len)[:, None] & (d < HEAD_DIM)[None, :],
+    )
+
+
+@dataclass
+class _Launch:
+    meta: AttentionMetadata
+    # [num_seqs, max_q, max_q] uint8 view of the new-token mask; kv_lens as an unread stand-in
+    # when there is none (HAS_MASK is off)
+    mask: torch.Tensor
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention through `_paged_attention_kernel`. `num_splits` splits each request's
+    context (flash-decoding) so that small batches fill the GPU; None picks a power of two
+    giving about two waves of programs over the SMs (1 off CUDA). It depends only on launch
+    sizes, so a captured graph and an eager run of one batch shape reduce in the same order.
+    `max_block_m` caps the query rows per tile: larger trees times the GQA group re-read the
+    context once per extra tile."""
+
+    def __init__(
+        self, cache: KVCache, num_splits: int | None = None, max_block_m: int = 64,
+        block_n: int = 32, num_warps: int = 4,
+    ) -> None:
+        super().__init__(cache)
+        assert (num_splits is None or num_splits >= 1) and block_n >= 16 and max_block_m >= 16, (
+            f"num_splits {num_splits}, block_n {block_n}, max_block_m {max_block_m}"
+        )
+        self.num_splits, self.max_block_m, self.block_n = num_splits, max_block_m, block_n
+        self.num_warps = num_warps
+        device = cache.k.device
+        self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                         if device.type == "cuda" else 0)
+        self.launch: _Launch | None = None
+
+    def splits_for(self, programs: int) -> int:
+        """Context splits for a launch of `programs` (request, KV head, query tile) programs."""
+        if self.num_splits is not None:
+            return self.num_splits
+        wanted = min(_MAX_AUTO_SPLITS, -(-2 * self._num_sms // programs))
+        return triton.next_power_of_2(wanted) if wanted > 1 else 1  # few compiled variants
+
+    def begin_forward(self, meta: AttentionMetadata) -> None:
+        mask = meta.new_token_mask
+        for name in ("query_start", "kv_lens", "page_tables"):
+            t = getattr(meta, name)
+            assert t.dtype == torch.int64 and t.stride(-1) == 1, (
+                f"{name}: {t.dtype} with strides {t.stride()}; the kernel reads contiguous int64"
+            )
+        assert mask is None or (mask.dtype == torch.bool and mask.stride(-1) == 1), (
+            f"new_token_mask: {mask.dtype} with strides {mask.stride()}"
+        )
+        self.launch = _Launch(meta, meta.kv_lens if mask is None else mask.view(torch.uint8))
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        launch = self.launch
+        assert launch is not None, "begin_forward must run before the layers"
+        meta = launch.meta
+        self.cache.write(layer, meta.slot_mapping, k, v)
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, kv_heads, hd]
+        heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[1]
+        assert heads % num_kv_heads == 0, f"{heads} query heads over {num_kv_heads} KV heads"
+        assert q.stride(2) == 1 and k_cache.stride(2) == 1, "head_dim must be contiguous"
+        group = heads // num_kv_heads
+        n = meta.num_seqs
+        block_m = max(16, min(self.max_block_m, triton.next_power_of_2(meta.max_query_len * group)))
+        num_m_tiles = triton.cdiv(meta.max_query_len * group, block_m)
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        splits = self.splits_for(n * num_kv_heads * num_m_tiles)
+        out = torch.empty_like(q)  # [num_tokens, heads, hd]
+        if splits > 1:
+            parts = n * num_kv_heads * num_m_tiles * splits
+            part_acc = torch.empty(parts, block_m, block_d, dtype=torch.float32, device=q.device)
+            part_m = torch.empty(parts, block_m, dtype=torch.float32, device=q.device)
+            part_l = torch.empty_like(part_m)
+        else:
+            part_acc = part_m = part_l = out
+        mask = launch.mask
+        window = meta.sliding_window
+        _paged_attention_kernel[(n, num_kv_heads, num_m_tiles * splits)](
+            q, k_cache, v_cache, out, part_acc, part_m, part_l,
+            meta.page_tables, meta.kv_lens, meta.query_start, mask,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            meta.page_tables.stride(0), mask.stride(0), mask.stride(1) if mask.dim() > 1 else 0,
+            head_dim**-0.5 * _LOG2E, window or 0, num_kv_heads, num_m_tiles,
+            PAGE=self.cache.page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_M=block_m, BLOCK_N=self.block_n, NUM_SPLITS=splits,
+            HAS_MASK=meta.new_token_mask is not None, CAUSAL=meta.causal,
+            HAS_WINDOW=window is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=self.num_warps,
+        )
+        if splits > 1:
+            _merge_splits_kernel[(n, num_kv_heads, num_m_tiles)](
+                out, part_acc, part_m, part_l, meta.query_start,
+                out.stride(0), out.stride(1), num_kv_heads, num_m_tiles,
+                GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+                NUM_SPLITS=splits, num_warps=self.num_warps,
+            )
+        return out

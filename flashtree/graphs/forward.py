@@ -1,0 +1,95 @@
+"""The fixed-shape forwards a GraphRunner captures, and the bridge from an eager ForwardBatch to
+the schema's inputs. Both forwards read only the static buffers, build their attention metadata
+in the padded layout (no host read of device data) and need a backend without a host-side plan
+(TritonBackend)."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.attention.backend import AttentionBackend, AttentionMetadata
+from flashtree.engine.forward_batch import ForwardBatch, Mode
+from flashtree.graphs.schema import GraphKey, GraphMode, Inputs
+from flashtree.models.dflash import DFlashDraftModel
+from flashtree.models.llama import DecoderModel
+
+
+def graph_mode(batch: ForwardBatch) -> GraphMode | None:
+    """The graph mode that runs `batch`, or None: prefill chunks run eagerly."""
+    if batch.mode == Mode.VERIFY:
+        tree = batch.attn.new_token_mask is not None
+        return GraphMode.VERIFY_TREE if tree else GraphMode.VERIFY_CHAIN
+    return {Mode.DECODE: GraphMode.DECODE, Mode.DRAFT: GraphMode.DRAFT}.get(batch.mode)
+
+
+def graph_inputs(batch: ForwardBatch) -> Inputs:
+    """Every schema field from an eager batch (new_token_mask is None for chains)."""
+    a = batch.attn
+    return {
+        "input_ids": batch.input_ids, "positions": batch.positions,
+        "query_start": a.query_start, "kv_lens": a.kv_lens, "slot_mapping": a.slot_mapping,
+        "page_tables": a.page_tables, "new_token_mask": a.new_token_mask,
+        "logit_rows": batch.logit_rows,
+    }
+
+
+def static_metadata(key: GraphKey, static: dict[str, torch.Tensor], page_size: int,
+                    causal: bool = True, sliding_window: int | None = None
+                    ) -> AttentionMetadata:
+    """Attention metadata over the static buffers of `key` (views, never copies)."""
+    page_tables = static["page_tables"]  # [batch, max_pages]
+    return AttentionMetadata(
+        query_start=static["query_start"], kv_lens=static["kv_lens"],
+        slot_mapping=static["slot_mapping"], page_tables=page_tables,
+        max_query_len=key.tokens, max_kv_len=page_tables.shape[1] * page_size,
+        new_token_mask=static.get("new_token_mask"), causal=causal,
+        sliding_window=sliding_window, padded=True,
+    )
+
+
+class TargetForward:
+    """DECODE, VERIFY_CHAIN and VERIFY_TREE: the target over the paged cache -> (float32 logits
+    of the scored rows [batch * tokens, vocab], captured layer outputs [batch * tokens,
+    len(capture_layers) * hidden] or None)."""
+
+    def __init__(self, model: DecoderModel, backend: AttentionBackend,
+                 capture_layers: tuple[int, ...] = (), gather_logits: bool = True) -> None:
+        self.model, self.backend = model, backend
+        self.capture_layers, self.gather_logits = capture_layers, gather_logits
+
+    @torch.inference_mode()
+    def __call__(self, key: GraphKey, static: dict[str, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert key.mode != GraphMode.DRAFT, f"{key}: the target does not draft"
+        self.backend.begin_forward(static_metadata(key, static, self.backend.cache.page_size))
+        hidden, captured = self.model(static["input_ids"], static["positions"], self.backend,
+                                      self.capture_layers)
+        features = torch.cat(captured, dim=-1) if captured else None
+        logits = self.model.compute_logits(hidden[static["logit_rows"]], self.gather_logits)
+        return logits, features
+
+
+class DraftForward:
+    """DRAFT: the DFlash block through the drafter -> float32 logits of the scored rows
+    [batch * tokens, vocab]. `backends` maps each (causal, sliding window) kind of draft layer
+    to a backend over the draft cache, as DFlashProposer's do."""
+
+    def __init__(self, draft: DFlashDraftModel, target: DecoderModel,
+                 backends: dict[tuple[bool, int | None], AttentionBackend],
+                 gather_logits: bool = True) -> None:
+        cfg = draft.cfg
+        self.draft, self.target, self.backends = draft, target, backends
+        self.layer_backends = [backends[kind] for kind in zip(cfg.layer_causal,
+                                                              cfg.layer_windows)]
+        self.gather_logits = gather_logits
+
+    @torch.inference_mode()
+    def __call__(self, key: GraphKey, static: dict[str, torch.Tensor]) -> torch.Tensor:
+        assert key.mode == GraphMode.DRAFT, f"{key}: the drafter only drafts"
+        for (causal, window), backend in self.backends.items():
+            backend.begin_forward(static_metadata(key, static, backend.cache.page_size,
+                                                  causal, window))
+        embeds = self.target.embed_tokens(static["input_ids"])  # [batch * tokens, hidden]
+        hidden = self.draft(embeds, static["positions"], self.layer_backends)
+        return self.draft.logits(hidden[static["logit_rows"]], self.target.lm_head,
+                                 self.gather_logits)

@@ -1,0 +1,43 @@
+"""Run Triton kernels on CPU tensors through Triton's interpreter, with two fixes to triton
+3.6's interpreter that the compiled kernels do not need:
+
+- scalars are 1-element arrays that it turns into ints with int(), which numpy 2.4 refuses, so
+  `range(start, end)` over loaded bounds fails (triton-lang/triton#9171, fixed upstream by
+  taking the element first);
+- `tl.dot` multiplies bfloat16 blocks as their raw uint16 bits; a bfloat16 widens to float32
+  exactly, so the fix multiplies the widened values (products are exact in float32, as in a
+  bf16 MMA with float32 accumulation)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported
+
+import numpy as np  # noqa: E402
+import triton.language as tl  # noqa: E402
+import triton.runtime.interpreter as interpreter  # noqa: E402
+
+_patch_lang_tensor = interpreter._patch_lang_tensor
+_create_dot = interpreter.InterpreterBuilder.create_dot
+
+
+def _index_scalars(tensor, scope) -> None:
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+def _widen_bf16(h: interpreter.TensorHandle) -> interpreter.TensorHandle:
+    if h.dtype != tl.bfloat16:
+        return h
+    bits = h.data.astype(np.uint32) << 16
+    return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+
+def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    return _create_dot(self, _widen_bf16(a), _widen_bf16(b), d, input_precision,
+                       max_num_imprecise_acc)
+
+
+interpreter._patch_lang_tensor = _index_scalars
+interpreter.InterpreterBuilder.create_dot = _dot

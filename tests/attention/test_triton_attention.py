@@ -1,0 +1,45 @@
+"""The Triton paged-attention backend against the SDPA reference, on CPU through Triton's
+interpreter. Skipped where triton is not installed (CI) and where CUDA exists: there
+tests/gpu/test_triton_attention_cuda.py runs the same cases compiled."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/ runs the compiled kernel", allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
+from flashtree.attention.triton import TritonBackend  # noqa: E402
+from tests.attention.cases import KINDS, run_case  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("q_per_kv", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp32_matches_sdpa(kind, q_per_kv, head_dim):
+    run_case(TritonBackend, kind, q_per_kv, head_dim, torch.float32, "cpu", seed=q_per_kv)
+
+
+@pytest.mark.parametrize("kind", ["decode", "chain", "tree"])
+@pytest.mark.parametrize("q_per_kv", [1, 4])
+def test_bf16_matches_sdpa(kind, q_per_kv):
+    run_case(TritonBackend, kind, q_per_kv, 128, torch.bfloat16, "cpu", seed=7)
+
+
+@pytest.mark.parametrize("kind", ["decode", "tree", "window"])
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_split_context_matches_sdpa(kind, num_splits):
+    run_case(TritonBackend, kind, 2, 64, torch.float32, "cpu", seed=num_splits,
+             num_splits=num_splits)
+
+
+def test_query_tiles_and_small_pages():
+    """Trees times the GQA group exceed one 16-row tile: several query tiles per head."""
+    run_case(TritonBackend, "tree", 4, 64, torch.float32, "cpu", seed=3, page_size=1,
+             max_block_m=16, block_n=16)
