@@ -32,7 +32,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--sdpa-backends", default=None,
+                    help="comma list of torch SDPBackend names to allow, e.g. "
+                         "EFFICIENT_ATTENTION,MATH (default: torch's choice)")
     args = ap.parse_args()
+    if args.sdpa_backends:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        allowed = [getattr(SDPBackend, name) for name in args.sdpa_backends.split(",")]
+        sdpa_kernel(allowed).__enter__()  # for the whole run
 
     from transformers import LlamaConfig, LlamaForCausalLM
 

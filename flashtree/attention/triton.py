@@ -27,7 +27,8 @@ from flashtree.attention.backend import AttentionBackend, AttentionMetadata
 from flashtree.kv.cache import KVCache
 
 _LOG2E = 1.4426950408889634
-_NO_SCORE = -1.0e30  # running max before any key: finite, so fully masked rows give p = 0
+# Running max before any key: finite, so fully masked rows give p = 0.
+_NO_SCORE = tl.constexpr(-1.0e30)
 _MAX_AUTO_SPLITS = 16
 
 
