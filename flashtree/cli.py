@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp",
                        help="tensor-parallel ranks (one process each; GPUs 0..N-1 on CUDA)")
+    serve.add_argument("--ep", "--expert-parallel-size", type=int, default=1, dest="ep",
+                       help="expert-parallel size (divides --tp): routed experts are split "
+                            "over --ep groups of the TP ranks, each expert sliced over "
+                            "tp/ep ranks (SGLang's convention)")
     add_bench_parser(sub)
     train = sub.add_parser("train-drafter", help="train a DFlash drafter for a target model")
     train.add_argument("--target", default="default", help="target model (as --model)")
@@ -136,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    topk_cap=args.topk_cap, tree_sampling=args.tree_sampling,
                    device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, seed=args.seed,
-                   tensor_parallel_size=args.tp)
+                   tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
 
     load_in_background(state, make_llm)
     # SIGTERM: uvicorn stops accepting connections and lets running requests finish.
