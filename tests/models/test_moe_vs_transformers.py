@@ -206,3 +206,30 @@ def test_greedy_tokens_equal_transformers_plain_and_ddtree(case: Case, drafter: 
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert got == want, f"spec={spec}"
         assert (llm.engine.speculative is None) == (spec == "none")
+
+
+def test_tree_verify_logits_through_the_paged_cache(case: Case):
+    """A DDTree-shaped verify forward (siblings share a position, ancestor-only mask) after a
+    prefill: every node's logits equal transformers' logits of the prompt + its root path. For
+    DeepSeek this is the MLA latent path with a tree mask."""
+    prompt = _prompts([13], seed=9)[0]
+    n = len(prompt)
+    # node: (token, parent); 0 is the root (the bonus token).
+    nodes = [(5, -1), (17, 0), (40, 0), (61, 1), (2, 1), (33, 3)]
+    depth = []
+    for _, parent in nodes:
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    visible = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
+    for i, (_, parent) in enumerate(nodes):
+        visible[i, i] = True
+        if parent >= 0:
+            visible[i] |= visible[parent]
+    h = PagedHarness(case.model, page_size=4)
+    h.forward(Mode.PREFILL, [BatchItem(0, 0, prompt)])
+    logits, _ = h.forward(Mode.VERIFY, [BatchItem(
+        0, n, [t for t, _ in nodes], all_logits=True, positions=[n + d for d in depth],
+        visible=visible)])
+    for i in range(len(nodes)):
+        path = [nodes[j][0] for j in range(len(nodes)) if visible[i, j]]
+        ref = reference_logits(case.hf, prompt + path)[-1]
+        _assert_close(logits[0][i], ref, f"node {i} (path {path})")
