@@ -126,3 +126,20 @@ def test_plan_refuses_layouts_that_do_not_split(capsys):
 def test_serve_accepts_ep():
     args = build_parser().parse_args(["serve", "m", "--tp", "4", "--ep", "2"])
     assert (args.tp, args.ep) == (4, 2)
+
+
+def test_qwen3_30b_a3b_shaped_config(tmp_path):
+    """GQA + softmax MoE without shared experts: Qwen3-30B-A3B's published 30.5B total / 3.3B
+    active, and its 4 KV heads copied (not split) under TP8."""
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+           "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+           "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+           "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+           "tie_word_embeddings": False, "max_position_embeddings": 40960}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    plan = make_plan(tmp_path, tp=8, ep=4)
+    assert abs(plan.total_params - 30.5e9) / 30.5e9 < 0.01, plan.total_params
+    assert abs(plan.active_params - 3.3e9) / 3.3e9 < 0.03, plan.active_params
+    assert "dense_mlp" not in {p.name for p in plan.parts}
+    assert plan.kv_per_token == 2 * 48 * 1 * 128 * 2  # one (copied) KV head per rank
