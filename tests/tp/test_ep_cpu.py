@@ -60,3 +60,70 @@ def test_ep_must_divide_tp(models):
                                          "tensor_parallel_size 1"):
         LLM(model=str(models["qwen3_moe"]), device="cpu", skip_tokenizer_init=True,
             expert_parallel_size=2)
+
+
+@pytest.mark.parametrize("tp,ep", [(4, 2), (4, 4), (4, 1), (8, 4)])
+def test_every_layout_sums_to_the_single_rank_moe_block(models, monkeypatch, tp, ep):
+    """SGLang's hybrid `--tp T --ep E` layouts without processes: each simulated rank builds and
+    loads its shard of the DeepSeek MoE block (routed experts of its expert group, sliced over
+    T/E ranks; shared experts sliced over T), and the ranks' partial outputs (the block's single
+    all-reduce replaced by a sum here) equal the unsharded block."""
+    import torch
+
+    import flashtree.distributed as dist_state
+    import flashtree.layers.moe as moe_mod
+    from flashtree.models.loader import load_hf_model
+
+    cpu = torch.device("cpu")
+    full, _ = load_hf_model(models["deepseek_v3"], torch.float32, cpu)
+    x = torch.randn(37, full.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = full.layers[1].mlp(x)
+    monkeypatch.setattr(moe_mod, "tp_all_reduce", lambda t: t)
+    monkeypatch.setattr(dist_state, "_SIZE", tp)
+    monkeypatch.setattr(dist_state, "_EP_SIZE", ep)
+    total, held = torch.zeros_like(want), []
+    for rank in range(tp):
+        monkeypatch.setattr(dist_state, "_RANK", rank)
+        if tp <= 4:  # the real loader, skipping other groups' experts
+            block = load_hf_model(models["deepseek_v3"], torch.float32, cpu)[0].layers[1].mlp
+        else:  # 4 MLA heads do not split 8 ways: build and load the MoE block alone
+            block = moe_mod.SparseMoE(full.cfg.moe, full.cfg.hidden_size)
+            prefix = "layers.1.mlp."
+            _load_block(block, {k[len(prefix):]: v for k, v in _full_state(full).items()
+                                if k.startswith(prefix)})
+        held.append(sorted(int(e) for e in block.experts))
+        with torch.no_grad():
+            total += block(x)
+    torch.testing.assert_close(total, want, atol=1e-5, rtol=1e-5)
+    per_group = 8 // ep
+    assert held == [list(range(r // (tp // ep) * per_group, (r // (tp // ep) + 1) * per_group))
+                    for r in range(tp)]
+
+
+def _full_state(model) -> dict:
+    """Checkpoint-named (unstacked) tensors of an unsharded model's MoE blocks."""
+    out = {}
+    for name, param in model.named_parameters():
+        if ".gate_up_proj." in name:
+            gate, up = param.chunk(2)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+        else:
+            out[name] = param
+    return out
+
+
+def _load_block(block, state: dict) -> None:
+    modules = dict(block.named_modules())
+    for name, tensor in state.items():
+        path, _, kind = name.rpartition(".")
+        shard = 0
+        for src, dst, part in ((".gate_proj", ".gate_up_proj", 0),
+                               (".up_proj", ".gate_up_proj", 1)):
+            if path.endswith(src):
+                path, shard = path[: -len(src)] + dst, part
+        expert = path.split(".")[1] if path.startswith("experts.") else None
+        if expert is not None and not block.owns(int(expert)):
+            continue
+        modules[path].load_shard(name, tensor, shard)
