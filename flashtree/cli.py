@@ -1,4 +1,4 @@
-"""Command line: `flashtree generate | chat | serve | bench | train-drafter`."""
+"""Command line: `flashtree generate | chat | serve | bench | train-drafter | plan`."""
 
 from __future__ import annotations
 
@@ -82,6 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp",
                        help="tensor-parallel ranks (one process each; GPUs 0..N-1 on CUDA)")
+    serve.add_argument("--ep", "--expert-parallel-size", type=int, default=1, dest="ep",
+                       help="expert-parallel size (divides --tp): routed experts are split "
+                            "over --ep groups of the TP ranks, each expert sliced over "
+                            "tp/ep ranks (SGLang's convention)")
+    plan = sub.add_parser("plan", help="parameter counts and per-GPU memory under TP/EP, from "
+                                       "config.json alone (no weights read)")
+    plan.add_argument("--config", required=True, help="target config.json (or its directory)")
+    plan.add_argument("--draft", default=None, help="DFlash drafter config.json (or directory)")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides --tp)")
+    plan.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    plan.add_argument("--gpu-memory-gib", type=float, default=139.0,
+                      help="memory of one GPU (default: an H200's ~139 GiB)")
+    plan.add_argument("--usable-fraction", type=float, default=0.9,
+                      help="share of GPU memory for weights + KV (the rest: activations, "
+                           "workspace)")
     add_bench_parser(sub)
     train = sub.add_parser("train-drafter", help="train a DFlash drafter for a target model")
     train.add_argument("--target", default="default", help="target model (as --model)")
@@ -145,7 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    spec_policy=args.spec_policy,
                    device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, seed=args.seed,
-                   tensor_parallel_size=args.tp)
+                   tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
 
     load_in_background(state, make_llm)
     # SIGTERM: uvicorn stops accepting connections and lets running requests finish.
@@ -293,10 +309,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from flashtree.plan import format_plan, make_plan
+
+    print(format_plan(make_plan(args.config, args.draft, args.tp, args.ep, args.dtype,
+                                args.gpu_memory_gib, args.usable_fraction)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-                "train-drafter": cmd_train_drafter, "bench": cmd_bench}
+                "train-drafter": cmd_train_drafter, "bench": cmd_bench, "plan": cmd_plan}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as e:

@@ -10,7 +10,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from flashtree.config import CacheConfig, SchedulerConfig, parse_dtype
-from flashtree.distributed import get_tp_size
+from flashtree.distributed import get_tp_size, set_ep_size
 from flashtree.distributed.tp import TPDriverEngine, TPGroup
 from flashtree.engine.llm_engine import EngineArgs, LLMEngine
 from flashtree.engine.sequence import Sequence
@@ -39,6 +39,7 @@ class LLM:
         device: str | None = None,
         dtype: str | None = None,
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         skip_tokenizer_init: bool = False,
@@ -74,6 +75,11 @@ class LLM:
                              f"{list(POLICIES)}")
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if expert_parallel_size < 1 or tensor_parallel_size % expert_parallel_size:
+            raise ValueError(
+                f"expert_parallel_size {expert_parallel_size} must be >= 1 and divide "
+                f"tensor_parallel_size {tensor_parallel_size}: experts are split over the "
+                "ranks of the tensor-parallel group (SGLang's --tp/--ep convention)")
         if get_tp_size() > 1 and not _tp_member:
             raise ValueError("a tensor-parallel LLM is already running in this process (layers "
                              "read one process-wide group); call its shutdown() first")
@@ -88,6 +94,7 @@ class LLM:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda:0")
         try:
+            set_ep_size(expert_parallel_size)  # read by MoE layers as they are built
             self._build(model, draft, spec, block_size, tree_budget, topk_cap, dtype,
                         max_model_len, max_num_seqs, skip_tokenizer_init, seed, tree_sampling,
                         spec_policy, page_size, kv_cache_pages, max_num_batched_tokens)

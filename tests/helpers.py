@@ -105,12 +105,12 @@ class PagedHarness:
     ) -> None:
         cfg = model.cfg
         weight = model.embed_tokens.weight
-        kv_heads = model.layers[0].self_attn.num_kv_heads
+        kv_heads, k_dim, v_dim = model.kv_cache_dims()
         self.model = model
         self.num_pages = num_pages
         self.cache = KVCache(
-            cfg.num_layers, num_pages, page_size, kv_heads, cfg.head_dim, weight.dtype,
-            weight.device,
+            cfg.num_layers, num_pages, page_size, kv_heads, k_dim, weight.dtype,
+            weight.device, v_head_dim=v_dim,
         )
         self.pages = PageTables(num_pages, page_size)
         self.runner = ModelRunner(model, self.cache, self.pages, capture_layers)

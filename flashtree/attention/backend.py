@@ -77,3 +77,11 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [num_tokens, heads, hd]; k, v: [num_tokens, kv_heads, hd] -> [num_tokens, heads, hd].
         Writes k, v into the cache at the slots of the current forward first."""
+
+    def forward_latent(
+        self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int, scale: float
+    ) -> torch.Tensor:
+        """MLA over a key-only latent cache. q: [num_tokens, heads, d]; latent: [num_tokens, 1, d]
+        (one head shared by all query heads); values are the first `v_dim` columns of the keys
+        -> [num_tokens, heads, v_dim]. Writes `latent` into the cache first."""
+        raise NotImplementedError(f"{type(self).__name__} has no MLA latent attention")

@@ -71,15 +71,38 @@ class SdpaBackend(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        plan = self.plan
-        assert plan is not None, "begin_forward must run before the layers"
+        plan = self._plan()
         self.cache.write(layer, plan.slot_mapping, k, v)
-        n, max_kv = plan.kv_slots.shape
+        keys = self._gather(self.cache.k[layer])
+        assert self.cache.v is not None, "forward needs a cache with values"
+        return self._attend(q, keys, self._gather(self.cache.v[layer]), None)
+
+    def forward_latent(
+        self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int, scale: float
+    ) -> torch.Tensor:
+        plan = self._plan()
+        self.cache.write(layer, plan.slot_mapping, latent, None)
+        keys = self._gather(self.cache.k[layer])  # [n, max_kv, 1, d]
+        return self._attend(q, keys, keys[..., :v_dim], scale)
+
+    def _plan(self) -> _Plan:
+        assert self.plan is not None, "begin_forward must run before the layers"
+        return self.plan
+
+    def _gather(self, pool: torch.Tensor) -> torch.Tensor:
+        # pool: [slots, kv_heads, d] -> [num_seqs, max_kv, kv_heads, d]
+        n, max_kv = self._plan().kv_slots.shape
+        return pool.index_select(0, self._plan().kv_slots.view(-1)).view(n, max_kv,
+                                                                          *pool.shape[1:])
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                scale: float | None) -> torch.Tensor:
+        """q: [num_tokens, heads, d]; keys, values: [num_seqs, max_kv, kv_heads, d / v_d]
+        -> [num_tokens, heads, v_d]."""
+        plan = self._plan()
+        n = plan.kv_slots.shape[0]
         max_q = plan.mask.shape[2]
         heads, hd = q.shape[1], q.shape[2]
-        flat = plan.kv_slots.view(-1)
-        keys = self.cache.k[layer].index_select(0, flat).view(n, max_kv, *k.shape[1:])
-        values = self.cache.v[layer].index_select(0, flat).view(n, max_kv, *v.shape[1:])
         if plan.padded_index is None:
             q_pad = q.view(n, max_q, heads, hd)
         else:
@@ -88,9 +111,10 @@ class SdpaBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),  # [n, heads, max_q, hd]
             keys.transpose(1, 2),  # [n, kv_heads, max_kv, hd]
-            values.transpose(1, 2),
+            values.transpose(1, 2),  # [n, kv_heads, max_kv, v_hd]
             attn_mask=plan.mask,
             enable_gqa=True,
-        )  # [n, heads, max_q, hd]
-        out = out.transpose(1, 2).reshape(n * max_q, heads, hd)
+            scale=scale,
+        )  # [n, heads, max_q, v_hd]
+        out = out.transpose(1, 2).reshape(n * max_q, heads, values.shape[-1])
         return out if plan.padded_index is None else out[plan.padded_index]

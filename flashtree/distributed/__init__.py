@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 _RANK, _SIZE = 0, 1
+_EP_SIZE = 1  # expert-parallel size: divides the TP size (SGLang's --ep convention)
 
 
 def init_tp(rank: int, size: int, backend: str, init_method: str, timeout_s: float = 300) -> None:
@@ -22,10 +23,37 @@ def init_tp(rank: int, size: int, backend: str, init_method: str, timeout_s: flo
 
 
 def destroy_tp() -> None:
-    global _RANK, _SIZE
+    global _RANK, _SIZE, _EP_SIZE
     if dist.is_initialized():
         dist.destroy_process_group()
-    _RANK, _SIZE = 0, 1
+    _RANK, _SIZE, _EP_SIZE = 0, 1, 1
+_EP_SIZE = 1  # expert-parallel size: divides the TP size (SGLang's --ep convention)
+
+
+def set_ep_size(ep: int) -> None:
+    """Split routed experts over `ep` groups of the TP ranks (set before building a model).
+    ep == tp: each rank holds num_experts / ep whole experts; 1 < ep < tp: each expert is also
+    sharded over tp / ep ranks along its intermediate dim; ep == 1: pure TP inside experts."""
+    global _EP_SIZE
+    if ep < 1 or _SIZE % ep:
+        raise ValueError(f"expert parallel size {ep} must be >= 1 and divide the tensor "
+                         f"parallel size {_SIZE} (experts are split across the TP ranks)")
+    _EP_SIZE = ep
+
+
+def get_ep_size() -> int:
+    return _EP_SIZE
+
+
+def get_ep_rank() -> int:
+    """This rank's expert group: ranks [g * tp/ep, (g + 1) * tp/ep) hold the same experts."""
+    return _RANK // (_SIZE // _EP_SIZE)
+
+
+def get_moe_tp() -> tuple[int, int]:
+    """(rank, size) of the intermediate-dim split inside one expert: tp / ep parts."""
+    size = _SIZE // _EP_SIZE
+    return _RANK % size, size
 
 
 def get_tp_rank() -> int:

@@ -57,8 +57,8 @@ class LLMEngine:
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.args = args
-        kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's share
-        bytes_per_token = 2 * model_cfg.num_layers * kv_heads * model_cfg.head_dim
+        kv_heads, k_dim, v_dim = model.kv_cache_dims()  # this rank's share
+        bytes_per_token = model_cfg.num_layers * kv_heads * (k_dim + v_dim)
         if drafter is not None:
             d = drafter.layers[0].self_attn
             bytes_per_token += 2 * len(drafter.layers) * d.num_kv_heads * d.head_dim
@@ -68,8 +68,8 @@ class LLMEngine:
             bytes_per_token * args.dtype.itemsize, args.device,
         ), args.device)
         self.cache = KVCache(
-            model_cfg.num_layers, num_pages, args.cache.page_size, kv_heads, model_cfg.head_dim,
-            args.dtype, args.device,
+            model_cfg.num_layers, num_pages, args.cache.page_size, kv_heads, k_dim,
+            args.dtype, args.device, v_head_dim=v_dim,
         )
         self.pages = PageTables(num_pages, args.cache.page_size)
         self.proposer: DFlashProposer | None = None

@@ -13,7 +13,11 @@ class OutOfPages(RuntimeError):
 
 class KVCache:
     """K and V storage for every layer. A token at logical index i of a sequence lives at flat
-    slot `page_table[i // page_size] * page_size + i % page_size`."""
+    slot `page_table[i // page_size] * page_size + i % page_size`.
+
+    `v_head_dim=0` makes a key-only cache (`v` is None): MLA stores one latent "head" per token
+    (normed compressed KV + roped shared key) and reads its values from the keys' first
+    columns."""
 
     def __init__(
         self,
@@ -24,21 +28,34 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        v_head_dim: int | None = None,
     ) -> None:
         self.num_pages, self.page_size = num_pages, page_size
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, hd]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        self.v = (torch.zeros((*shape[:3], v_dim), dtype=dtype, device=device)
+                  if v_dim else None)  # [layers, slots, kv_heads, v_hd]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # slots: [n]; k, v: [n, kv_heads, head_dim]
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies over all layers (K and V)."""
+        per = self.k[:, 0].numel() * self.k.element_size()
+        return per + (0 if self.v is None else self.v[:, 0].numel() * self.v.element_size())
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor | None) -> None:
+        # slots: [n]; k: [n, kv_heads, head_dim]; v: [n, kv_heads, v_head_dim] (None: key-only)
         self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        if self.v is not None:
+            assert v is not None, "this cache stores values: write needs v"
+            self.v[layer].index_copy_(0, slots, v)
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy K/V of every layer from `src_slots` to `dst_slots` (both [n])."""
         self.k[:, dst_slots] = self.k[:, src_slots]
-        self.v[:, dst_slots] = self.v[:, src_slots]
+        if self.v is not None:
+            self.v[:, dst_slots] = self.v[:, src_slots]
 
 
 class PageTables:

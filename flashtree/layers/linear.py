@@ -61,10 +61,15 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_shard W_shard^T) + b with W split along the input dimension."""
+    """y = all_reduce(x_shard W_shard^T) + b with W split along the input dimension.
+    `reduce=False` returns this rank's partial sum (the caller reduces once for several layers,
+    e.g. a MoE block's shared and routed experts); it must then have no bias."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 reduce: bool = True) -> None:
         super().__init__()
+        assert reduce or not bias, "a partial-sum (reduce=False) layer cannot add a bias"
+        self.reduce = reduce
         tp = get_tp_size()
         assert in_features % tp == 0, f"in_features {in_features} not divisible by tp={tp}"
         self.in_shard = in_features // tp
@@ -81,5 +86,8 @@ class RowParallelLinear(nn.Module):
         _copy_checked(self.weight, cols, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if not self.reduce:
+            return y
+        y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

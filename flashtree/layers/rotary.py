@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout) with the Llama-3 frequency scaling."""
+"""Rotary position embedding (rotate-half layout) with Llama-3 and YaRN frequency scaling, and
+the interleaved pair layout DeepSeek's MLA uses."""
 
 from __future__ import annotations
 
@@ -9,7 +10,34 @@ import torch
 from flashtree.config import RopeConfig
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: interpolated (divided by `factor`) low frequencies, extrapolated (kept) high ones,
+    a linear ramp between the dims that rotate beta_slow and beta_fast times over the original
+    context. Computed in float32 as transformers does, so the frequencies match bit for bit."""
+    base, orig = rope.theta, rope.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # [dim / 2], 1 = keep (extrapolate) the original frequency
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if rope.rope_type == "linear":
         return (inv_freq / rope.factor).float()
@@ -28,18 +56,41 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq.float()
 
 
+def rope_attention_scaling(rope: RopeConfig) -> float:
+    """Factor on cos/sin (transformers' `attention_scaling`): YaRN's mscale ratio, else 1."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor,
+                                                                     rope.mscale_all_dim)
+    return _yarn_mscale(rope.factor)
+
+
+def softmax_mscale(rope: RopeConfig) -> float:
+    """DeepSeek's extra softmax scale (squared into the attention scale): yarn mscale of
+    `mscale_all_dim` when the rope is scaled and that field is set, else 1."""
+    if rope.rope_type == "default" or not rope.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(rope.factor, rope.mscale_all_dim)
+
+
 class RotaryEmbedding:
     """Computes cos/sin once per forward for all layers. Frequencies stay float32 whatever the
     model dtype (a plain attribute, so `module.to(dtype)` never touches it)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
         self.inv_freq = rope_inv_freq(rope, head_dim).to(device)  # [head_dim / 2]
+        self.scaling = rope_attention_scaling(rope)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [n] -> cos, sin: [n, 1, head_dim] float32
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos(), emb.sin()
+        if self.scaling == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -47,3 +98,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved pairs (x0, x1), (x2, x3), ... -> rotate-half layout
+    (x0, x2, ..., x1, x3, ...); rotate-half RoPE on the result is the interleaved RoPE."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)

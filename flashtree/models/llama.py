@@ -72,12 +72,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual block. Subclasses pick other attention / MLP modules (MLA, MoE)."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = self.make_attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = self.make_mlp(cfg, layer)
+
+    def make_attention(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        return Attention(cfg, layer)
+
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        return MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, backend: AttentionBackend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, backend)
@@ -96,13 +104,17 @@ STACKED = {
 
 class DecoderModel(nn.Module):
     """Decoder stack + LM head. `forward` returns the final hidden states of the requested rows
-    and, when asked, the outputs of chosen decoder layers (for DFlash context features)."""
+    and, when asked, the outputs of chosen decoder layers (for DFlash context features).
+    Other families subclass it with their own `layer_cls` and `stacked` name table."""
+
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    stacked: dict[str, tuple[str, int]] = STACKED
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
@@ -127,6 +139,14 @@ class DecoderModel(nn.Module):
                 captured[i] = x
         return self.norm(x), [captured[i] for i in capture_layers]
 
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(KV heads on this rank, key width, value width) of one layer's paged cache entry."""
+        return self.layers[0].self_attn.num_kv_heads, self.cfg.head_dim, self.cfg.head_dim
+
+    def _skip_tensor(self, name: str) -> bool:
+        """Checkpoint tensors (names without `model.`) this rank deliberately does not load."""
+        return False
+
     def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         # hidden: [n, hidden] -> [n, vocab] in float32 (this rank's vocab slice if not gather)
         return self.lm_head(hidden, gather).float()
@@ -138,20 +158,25 @@ class DecoderModel(nn.Module):
         expected = set(self._hf_parameter_names())
         loaded: set[str] = set()
         unknown: list[str] = []
+        prefix = self.cfg.weight_prefix
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
+            if prefix and not hf_name.startswith(prefix):
+                continue  # a multimodal wrapper's vision tower / projector
+            name = hf_name.removeprefix(prefix).removeprefix("model.")
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            if self._skip_tensor(name):
                 continue
             module_path, _, kind = name.rpartition(".")
             shard = 0
-            for suffix, (target, index) in STACKED.items():
+            for suffix, (target, index) in self.stacked.items():
                 if module_path.endswith(suffix):
                     module_path, shard = module_path[: -len(suffix)] + target, index
+                    break
             module = modules.get(module_path)
             if (
-                kind not in ("weight", "bias")
-                or not hasattr(module, "load_shard")
-                or getattr(module, kind, None) is None
+                not hasattr(module, "load_shard")
+                or not isinstance(getattr(module, kind, None), nn.Parameter)
             ):
                 unknown.append(hf_name)
                 continue
@@ -167,7 +192,7 @@ class DecoderModel(nn.Module):
         """Checkpoint names (without the `model.` prefix) this model needs, stacked weights
         listed under their separate HF names."""
         unstack: dict[str, list[str]] = {}
-        for hf_suffix, (target, _) in STACKED.items():
+        for hf_suffix, (target, _) in self.stacked.items():
             unstack.setdefault(target, []).append(hf_suffix)
         names = []
         for name, _ in self.named_parameters():

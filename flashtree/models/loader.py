@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from flashtree.config import ModelConfig
+from flashtree.config import QUANT_METHODS, ModelConfig
 from flashtree.models.llama import DecoderModel
 
 
@@ -50,12 +50,70 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def model_class(cfg: ModelConfig) -> type[DecoderModel]:
+    if cfg.architecture == "Qwen3MoeForCausalLM":
+        from flashtree.models.qwen3_moe import Qwen3MoeModel
+
+        return Qwen3MoeModel
+    if cfg.architecture == "DeepseekV3ForCausalLM":
+        from flashtree.models.deepseek_v3 import DeepseekV3Model
+
+        return DeepseekV3Model
+    return DecoderModel
+
+
+def dequantize_fp8_blocks(
+    weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """DeepSeek FP8 checkpoints: each float8 `X.weight` [out, in] comes with
+    `X.weight_scale_inv` [ceil(out / bo), ceil(in / bi)] (one float scale per block); the real
+    weight is fp8 * scale. Dequantized here, at load (float32 out; the model casts it), so the
+    model holds full-precision weights. The pair may sit in different shards: whichever comes
+    first waits for the other."""
+    pending: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    bo, bi = block
+    for name, tensor in weights:
+        if name.endswith(".weight_scale_inv"):
+            base = name.removesuffix("_scale_inv")
+            if base not in pending:
+                scales[base] = tensor
+                continue
+            name, tensor, scale = base, pending.pop(base), tensor
+        elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if name not in scales:
+                pending[name] = tensor
+                continue
+            scale = scales.pop(name)
+        else:
+            yield name, tensor
+            continue
+        out, inp = tensor.shape
+        expected = (-(-out // bo), -(-inp // bi))
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"{name}_scale_inv has shape {tuple(scale.shape)}, expected "
+                             f"{expected} for a {(out, inp)} weight in {bo}x{bi} blocks")
+        full = scale.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
+        yield name, tensor.float() * full
+    left = sorted(pending) + [f"{n}_scale_inv" for n in sorted(scales)]
+    if left:
+        raise ValueError(f"FP8 checkpoint has weights without scales or scales without "
+                         f"weights: {left[:5]}")
+
+
 def build_model(
     cfg: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
     device: torch.device,
 ) -> DecoderModel:
+    if cfg.quantization == "fp8":
+        weights = dequantize_fp8_blocks(weights, cfg.quant_block)
+    elif cfg.quantization is not None:
+        raise ValueError(
+            f"checkpoint quantization {cfg.quantization!r} is not supported; allowed: "
+            f"{list(QUANT_METHODS)} (block FP8, dequantized at load) or unquantized weights"
+        )
     with torch.device(device):
-        model = DecoderModel(cfg)
+        model = model_class(cfg)(cfg)
     model.to(dtype)
     model.load_weights(weights)
     return model.eval()

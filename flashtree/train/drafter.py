@@ -322,9 +322,9 @@ def train_drafter(
     page = 16
     pages = PageTables(batch * (-(-width // page)), page)
     mc = llm.model_config
-    cache = KVCache(mc.num_layers, pages.num_pages, page,
-                    target.layers[0].self_attn.num_kv_heads, mc.head_dim,
-                    target.norm.weight.dtype, target.norm.weight.device)
+    kv_heads, k_dim, v_dim = target.kv_cache_dims()
+    cache = KVCache(mc.num_layers, pages.num_pages, page, kv_heads, k_dim,
+                    target.norm.weight.dtype, target.norm.weight.device, v_head_dim=v_dim)
     runner = ModelRunner(target, cache, pages, draft.cfg.target_layer_ids)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
     warm = max(1, int(cfg.warmup * cfg.steps))

@@ -1,0 +1,175 @@
+"""Mixture-of-experts block: top-k router (softmax or sigmoid scoring, group-limited selection,
+DeepSeek's selection-only correction bias, renormalization and scaling), routed SiLU-GLU experts,
+optional shared experts.
+
+Parallel layout (SGLang's `--tp T --ep E` convention, E divides T): the routed experts are split
+into E groups of num_experts / E; the T / E ranks of one group hold the same experts, each sliced
+along the expert's intermediate dim. Tokens are replicated on every TP rank (the residual stream
+is), so there is no dispatch: every rank runs ITS experts (its slices) on the tokens routed to
+them and the block ends with ONE all-reduce over the TP group that sums the routed partials of
+all ranks plus the TP-sharded shared experts' partials."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtree.config import MoEConfig
+from flashtree.distributed import get_ep_rank, get_ep_size, get_moe_tp, tp_all_reduce
+from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+
+def _check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"tensor {name} has shape {tuple(loaded.shape)}, expected {expected}")
+
+
+class Router(nn.Module):
+    """x [n, hidden] -> (weights [n, top_k] float32, expert ids [n, top_k] int64)."""
+
+    def __init__(self, cfg: MoEConfig, hidden: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, hidden), requires_grad=False)
+        # noaux_tc: added to the scores to SELECT experts, never to weight them.
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+            if cfg.topk_method == "noaux_tc" else None
+        )
+
+    def _apply(self, fn, recurse: bool = True):
+        # DeepSeek keeps the router in float32 whatever the model dtype (as transformers does).
+        super()._apply(fn, recurse)
+        if self.cfg.router_fp32:
+            self.weight.data = self.weight.data.float()
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.data = self.e_score_correction_bias.data.float()
+        return self
+
+    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        target = (self.e_score_correction_bias if name.endswith("e_score_correction_bias")
+                  else self.weight)
+        assert target is not None, f"{name}: this router ({self.cfg.topk_method}) has no bias"
+        _check_shape(name, loaded, tuple(target.shape))
+        target.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        if cfg.router_fp32:
+            logits = F.linear(x.float(), self.weight.float())  # [n, E]
+        else:
+            logits = F.linear(x, self.weight).float()
+        if cfg.scoring_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        choice = scores if self.e_score_correction_bias is None else (
+            scores + self.e_score_correction_bias)
+        if cfg.n_group > 1:
+            grouped = choice.view(x.shape[0], cfg.n_group, -1)  # [n, groups, E / groups]
+            if cfg.topk_method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [n, groups]
+            else:
+                group_scores = grouped.amax(dim=-1)
+            best = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        ids = choice.topk(cfg.top_k, dim=-1, sorted=False)[1]  # [n, top_k]
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class _ExpertLinear(nn.Module):
+    """This rank's slice of an expert matrix: `stacked` [inter, hidden] matrices (gate, up)
+    sliced along rows (split_dim 0), or one [hidden, inter] matrix (down) along columns."""
+
+    def __init__(self, hidden: int, inter: int, stacked: int, split_dim: int) -> None:
+        super().__init__()
+        self.rank, parts = get_moe_tp()
+        if inter % parts:
+            raise ValueError(f"moe_intermediate_size {inter} does not split into {parts} parts "
+                             f"(tensor parallel size / expert parallel size)")
+        self.shard, self.split_dim = inter // parts, split_dim
+        self.full = (inter, hidden) if split_dim == 0 else (hidden, inter)
+        shape = (stacked * self.shard, hidden) if split_dim == 0 else (hidden, self.shard)
+        self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
+
+    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        _check_shape(name, loaded, self.full)
+        part = loaded.narrow(self.split_dim, self.rank * self.shard, self.shard)
+        self.weight.data.narrow(0, shard * self.shard, part.shape[0]).copy_(part)
+
+
+class ExpertMLP(nn.Module):
+    """One routed expert's slice: rows [r * I/p, (r+1) * I/p) of gate and up, the same columns
+    of down, for (r, p) = this rank's place in its expert group. Returns a partial sum."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = _ExpertLinear(hidden, inter, stacked=2, split_dim=0)
+        self.down_proj = _ExpertLinear(hidden, inter, stacked=1, split_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+class SharedMLP(nn.Module):
+    """Shared experts fused into one SiLU-GLU MLP, TP-sharded; returns a partial sum."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter])
+        self.down_proj = RowParallelLinear(inter, hidden, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """x [n, hidden] -> [n, hidden] (all-reduced over the TP group)."""
+
+    def __init__(self, cfg: MoEConfig, hidden: int) -> None:
+        super().__init__()
+        ep = get_ep_size()
+        if cfg.num_experts % ep:
+            raise ValueError(f"{cfg.num_experts} routed experts do not split over expert "
+                             f"parallel size {ep}")
+        per_rank = cfg.num_experts // ep
+        self.first_expert = get_ep_rank() * per_rank
+        self.num_local = per_rank
+        self.gate = Router(cfg, hidden)
+        # Keyed by the GLOBAL expert id, so parameter names are the checkpoint's.
+        self.experts = nn.ModuleDict({
+            str(e): ExpertMLP(hidden, cfg.intermediate_size)
+            for e in range(self.first_expert, self.first_expert + per_rank)
+        })
+        self.shared_experts = (
+            SharedMLP(hidden, cfg.intermediate_size * cfg.num_shared_experts)
+            if cfg.num_shared_experts else None
+        )
+
+    def owns(self, expert: int) -> bool:
+        return self.first_expert <= expert < self.first_expert + self.num_local
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)  # [n, top_k] each
+        out = torch.zeros_like(x)
+        local = ids - self.first_expert
+        counts = torch.bincount(local[(local >= 0) & (local < self.num_local)],
+                                minlength=self.num_local).tolist()
+        # Ascending expert order and index_add, as transformers sums, so fp32 results match.
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            tok, slot = torch.where(ids == self.first_expert + e)
+            y = self.experts[str(self.first_expert + e)](x[tok])
+            y = y * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return tp_all_reduce(out)
