@@ -12,9 +12,19 @@ import pytest
 
 from flashtree.bench.serving import acceptance_from_counters, spec_counters
 from flashtree.server.metrics import ServerMetrics
-from tests.server.conftest import API_KEY, MODEL
+from tests.server.conftest import API_KEY, MODEL, start_server
 
 PROMPTS, MAX_TOKENS = 6, 8
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model):
+    """A ddtree server that verifies full trees every step (spec_policy fixed), so that its
+    speculative counters account for every returned token after the first."""
+    base, proc = start_server(*tiny_chat_model, extra=("--spec-policy", "fixed"))
+    yield base, proc
+    proc.terminate()
+    proc.wait(timeout=60)
 
 
 def _bench(base: str, out, label: str, dataset: str) -> list[dict]:
