@@ -234,7 +234,7 @@ def main() -> int:
     layers = args.layers or default_layers
     cuda = args.device == "cuda"
     ranks = torch.cuda.device_count() if cuda else args.max_ranks
-    gpu = torch.cuda.get_device_name(0) if cuda else "CPU"
+    gpu = (torch.cuda.get_device_name(0) if ranks else "no GPU") if cuda else "CPU"
     report = [f"# MoE multi-GPU layouts ({args.shape}-shaped, {layers} layers, random weights, "
               f"{args.dtype})", "",
               f"Machine: {gpu} x {ranks if cuda else 1}, torch {torch.__version__}, Python "
