@@ -92,9 +92,11 @@ def _metric(base: str, name: str) -> float:
 
 def test_metrics_counters_move(client, server):
     base = server[0]
+    # The adaptive policy may decode this request plainly (budget 0), so the draft counters
+    # need not move; every decode step counts in the budget gauge (tests/server/
+    # test_bench_serving.py checks the draft counters on a fixed-policy server).
     before = {n: _metric(base, n) for n in (
-        "flashtree:generation_tokens_total", "flashtree:spec_decode_num_drafts",
-        "flashtree:e2e_request_latency_seconds_count", "flashtree:spec_decode_num_draft_tokens",
+        "flashtree:generation_tokens_total", "flashtree:e2e_request_latency_seconds_count",
         "flashtree:spec_decode_budget_request_steps")}
     client.completions.create(model=MODEL, prompt="Count", max_tokens=12, temperature=0,
                               extra_body={"ignore_eos": True})
