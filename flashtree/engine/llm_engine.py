@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -168,11 +169,20 @@ class LLMEngine:
         if not chunks:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
-        if self.speculative is not None and chunks[0].decode:
-            if self.speculative.wants_draft():
-                return self._speculative_step(chunks)
+        if self.speculative is None or not chunks[0].decode:
+            return self._plain_step(chunks)
+        speculate = self.speculative.wants_draft()
+        start = time.perf_counter()
+        if speculate:
+            done = self._speculative_step(chunks)
+        else:
             self.speculative.stats.record_budget(0, len(chunks))  # the policy chose plain
-        return self._plain_step(chunks)
+            done = self._plain_step(chunks)
+        policy = self.speculative.policy
+        # Wall times differ between TP ranks, whose choices must agree: TP uses the profile.
+        if policy is not None and get_tp_size() == 1:
+            policy.observe_step(speculate, len(chunks), time.perf_counter() - start)
+        return done
 
     def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
         mode = Mode.DECODE if chunks[0].decode else Mode.PREFILL

@@ -21,6 +21,7 @@ POLICIES = ("adaptive", "fixed")
 _DECAY = 0.9  # weight of the past in the acceptance sums, per step
 _PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
 _MAX_BACKOFF = 32  # at most this many plain steps between two probes of speculation
+_OVERHEAD_RATE = 0.2  # weight of the newest step in the measured per-step overheads
 
 
 def budget_levels(max_budget: int) -> tuple[int, ...]:
@@ -108,9 +109,24 @@ class Calibration:
 
 
 @dataclass
+class StepOverhead:
+    """What a whole engine step costs beyond the forwards the cost model predicts (host work,
+    tree building, sampling), as a moving average of measured minus predicted seconds."""
+
+    seconds: float = 0.0
+    seen: bool = False
+
+    def add(self, measured: float, predicted: float) -> None:
+        extra = max(0.0, measured - predicted)
+        self.seconds = extra if not self.seen else (
+            (1 - _OVERHEAD_RATE) * self.seconds + _OVERHEAD_RATE * extra)
+        self.seen = True
+
+
+@dataclass
 class SpecPolicy:
-    """The adaptive policy's state: calibrations, and when to probe speculation again after a
-    step where drafting did not pay for itself."""
+    """The adaptive policy's state: calibrations, measured step overheads, and when to probe
+    speculation again after a step where drafting did not pay for itself."""
 
     cost: CostModel
     levels: tuple[int, ...]
@@ -118,6 +134,9 @@ class SpecPolicy:
     requests: dict[int, Calibration] = field(default_factory=dict)
     backoff: int = 0
     plain_steps_left: int = 0
+    plain_overhead: StepOverhead = field(default_factory=StepOverhead)
+    spec_overhead: StepOverhead = field(default_factory=StepOverhead)
+    predicted_s: float = 0.0  # forward seconds the last choice expects (draft + verify)
 
     def should_draft(self) -> bool:
         """False while the last probe said plain decoding is faster (the step runs plain)."""
@@ -137,14 +156,24 @@ class SpecPolicy:
         drafter path probabilities over the nodes of budget levels[j]."""
         gains = [[g * self.scale(s) for g in row] for s, row in zip(seq_ids, raw_gains)]
         n = len(seq_ids)
-        picks, value = choose_budgets(gains, self.levels, self.cost, self.cost.draft_s(n))
-        plain_value = n / self.cost.target_s(n)
+        fixed = self.cost.draft_s(n) + self.spec_overhead.seconds
+        picks, value = choose_budgets(gains, self.levels, self.cost, fixed)
+        plain_value = n / (self.cost.target_s(n) + self.plain_overhead.seconds)
+        tokens = n + sum(self.levels[j] for j in picks)
+        self.predicted_s = self.cost.draft_s(n) + self.cost.target_s(tokens)
         if value < plain_value:  # drafting did not pay: plain steps, then probe again
             self.backoff = min(max(1, 2 * self.backoff), _MAX_BACKOFF)
             self.plain_steps_left = self.backoff
         else:
             self.backoff = 0
         return [self.levels[j] for j in picks]
+
+    def observe_step(self, speculative: bool, requests: int, seconds: float) -> None:
+        """A decode step of `requests` took `seconds` of wall time: learn its overhead."""
+        if speculative:
+            self.spec_overhead.add(seconds, self.predicted_s)
+        else:
+            self.plain_overhead.add(seconds, self.cost.target_s(requests))
 
     def observe(self, seq_id: int, accepted: int, predicted: float) -> None:
         """After verification: `accepted` drafts of the chosen candidates, whose raw predicted

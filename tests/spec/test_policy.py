@@ -193,3 +193,17 @@ def test_seeded_sampling_with_speculation_returns_plain_samples(pair, spec, poli
     outs = llm.generate(PROMPTS, sp)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert sum(llm.engine.speculative.stats.accepted_per_pos) > 0  # drafts were accepted
+
+
+def test_measured_step_overheads_enter_the_choice():
+    """A speculative step that costs a second more than its forwards (host work the profile
+    does not see) makes plain decoding the better choice for the same gains."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    gains = [_chain_gains(0.7)] * 4
+    assert max(policy.choose(list(range(4)), gains)) > 0 and policy.backoff == 0
+    policy.observe_step(True, 4, policy.predicted_s + 1.0)
+    policy.observe_step(False, 4, policy.cost.target_s(4))
+    assert policy.spec_overhead.seconds == pytest.approx(1.0)
+    assert policy.plain_overhead.seconds == pytest.approx(0.0)
+    policy.choose(list(range(4)), gains)
+    assert policy.backoff == 1 and not policy.should_draft()
