@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--per-category", type=int, default=16, help="prompts per category")
     ap.add_argument("--tree-budget", type=int, default=None)
+    ap.add_argument("--spec-policy", default="fixed", choices=["fixed", "adaptive"],
+                    help="fixed (default) measures the drafter at the full block or tree")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -44,7 +46,7 @@ def main() -> int:
         spec, sampling = mode.split(":")
         llm = LLM(model=args.model, draft=args.draft, spec=spec, tree_sampling=sampling,
                   tree_budget=args.tree_budget if spec == "ddtree" else None,
-                  device=args.device)
+                  spec_policy=args.spec_policy, device=args.device)
         for t in temps:
             if t == 0 and sampling == "rrs":
                 continue  # greedy requests always use deterministic candidates
