@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 POLICIES = ("adaptive", "fixed")
 _DECAY = 0.9  # weight of the past in the acceptance sums, per step
 _PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
-_MAX_BACKOFF = 32  # at most this many plain steps between two probes of speculation
+_MAX_BACKOFF = 256  # at most this many plain steps between two probes of speculation
 _OVERHEAD_RATE = 0.2  # weight of the newest step in the measured per-step overheads
 
 
