@@ -177,14 +177,18 @@ class LLMEngine:
             done = self._speculative_step(chunks)
         else:
             self.speculative.stats.record_budget(0, len(chunks))  # the policy chose plain
-            done = self._plain_step(chunks)
+            done = self._plain_step(chunks, defer_injection=True)
         policy = self.speculative.policy
         # Wall times differ between TP ranks, whose choices must agree: TP uses the profile.
         if policy is not None and get_tp_size() == 1:
             policy.observe_step(speculate, len(chunks), time.perf_counter() - start)
         return done
 
-    def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
+    def _plain_step(self, chunks: list[ScheduledChunk], defer_injection: bool = False
+                    ) -> list[Sequence]:
+        """Prefill chunks or one plain decode token per request. With a drafter, the new
+        tokens' context features go to the draft KV cache now, or (`defer_injection`, a plain
+        step the policy chose) together before the next draft."""
         mode = Mode.DECODE if chunks[0].decode else Mode.PREFILL
         items = [
             BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
@@ -203,7 +207,10 @@ class LLMEngine:
                 injected.append(ContextRows(c.seq.seq_id, c.start, features[row : row + c.count]))
             row += c.count
         if self.proposer is not None:
-            self.proposer.inject(injected)
+            if defer_injection:
+                self.proposer.defer(injected)
+            else:
+                self.proposer.inject(injected)
         if not sampling:
             tokens = []
         elif all_greedy:  # one device sync for the batch

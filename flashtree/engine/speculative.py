@@ -92,6 +92,7 @@ class SpeculativeDecoder:
         """Returns what each request commits (accepted drafts + the target's next one) and how
         many candidates it verified; target and draft KV already hold every committed token
         but the last. The caller records the stats once stop conditions have cut the tokens."""
+        self.proposer.flush({s.seq_id for s in seqs})
         plans = self._plan(seqs)
         items = [
             BatchItem(s.seq_id, s.num_computed, p.cand.tokens, all_logits=True,

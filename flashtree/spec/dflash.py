@@ -48,6 +48,21 @@ class DFlashProposer:
         self._layer_backends = [
             self._backends[kind] for kind in zip(cfg.layer_causal, cfg.layer_windows)
         ]
+        # Context rows of steps that ran plain decoding, injected together before the next
+        # draft (the drafter reads nothing in between): seq_id -> rows in commit order.
+        self._deferred: dict[int, list[ContextRows]] = {}
+
+    def defer(self, rows: list[ContextRows]) -> None:
+        for r in rows:
+            self._deferred.setdefault(r.seq_id, []).append(r)
+
+    def flush(self, live: set[int]) -> None:
+        """Inject the deferred rows of the `live` requests in one batch; drop the rest (their
+        requests finished or were preempted: a recompute injects its own rows)."""
+        rows = [r for seq_id in live for r in self._deferred.get(seq_id, ())
+                if r.start + r.features.shape[0] <= self.pages.lengths.get(seq_id, 0)]
+        self._deferred.clear()
+        self.inject(rows)
 
     @torch.inference_mode()
     def inject(self, rows: list[ContextRows]) -> None:

@@ -207,3 +207,29 @@ def test_measured_step_overheads_enter_the_choice():
     assert policy.plain_overhead.seconds == pytest.approx(0.0)
     policy.choose(list(range(4)), gains)
     assert policy.backoff == 1 and not policy.should_draft()
+
+
+def test_deferred_context_rows_reach_only_live_committed_positions(pair, tmp_path, monkeypatch):
+    """Plain steps chosen by the policy defer the drafter's context rows; the next draft
+    injects those of live requests up to their committed length and drops the rest (finished
+    or preempted requests, whose pages may belong to others by then)."""
+    from flashtree.spec.dflash import ContextRows
+
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    target, drafter = pair
+    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
+              skip_tokenizer_init=True, page_size=4)
+    proposer, pages = llm.engine.proposer, llm.engine.pages
+    width = proposer.draft.fc.in_features  # len(target_layer_ids) * hidden
+    for seq_id in (5, 6):
+        pages.reserve(seq_id, 8)
+        pages.set_length(seq_id, 4)
+    rows = [ContextRows(5, 0, torch.ones(3, width)), ContextRows(5, 3, torch.ones(2, width)),
+            ContextRows(6, 0, torch.ones(2, width))]
+    proposer.defer(rows)
+    injected = []
+    monkeypatch.setattr(proposer, "inject", injected.extend)
+    proposer.flush({5})
+    assert injected == rows[:1]  # seq 5 beyond its length 4 and seq 6 (not live) are dropped
+    proposer.flush({5, 6})
+    assert injected == rows[:1]  # nothing is injected twice
