@@ -87,7 +87,9 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def tp_broadcast_object(obj=None):
-    """Rank 0's `obj` on every rank (the driver's per-step commands)."""
+    """Rank 0's `obj` on every rank (the driver's per-step commands); `obj` without a group."""
+    if _SIZE == 1:
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]

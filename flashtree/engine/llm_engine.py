@@ -111,14 +111,11 @@ class LLMEngine:
                "dtype": str(self.args.dtype), "device": device_name(self.args.device),
                "tp": get_tp_size(), "block": spec_cfg.block_size, "tokens": max_tokens,
                "requests": max_requests, "torch": torch.__version__}
-        cost = load_profile(key) if get_tp_rank() == 0 else None
-        if get_tp_size() > 1:
-            cost = tp_broadcast_object(cost)
+        cost = tp_broadcast_object(load_profile(key) if get_tp_rank() == 0 else None)
         if cost is None:
-            cost = measure_cost_model(self.runner, self.proposer, self.pages, max_tokens,
-                                      max_requests, spec_cfg.block_size)
-            if get_tp_size() > 1:
-                cost = tp_broadcast_object(cost)
+            cost = tp_broadcast_object(measure_cost_model(
+                self.runner, self.proposer, self.pages, max_tokens, max_requests,
+                spec_cfg.block_size))
             if get_tp_rank() == 0:
                 save_profile(key, cost)
         return cost
