@@ -6,6 +6,9 @@ from pathlib import Path
 
 import torch
 
+# Prompts over a 5-token vocabulary for the tiny target/drafter pairs: ragged lengths, one token.
+TINY_PROMPTS = [[1, 2, 3, 4, 0, 1, 2], [3, 3, 1], [0, 4, 2, 2, 1, 3, 0, 1, 4, 2, 3, 1, 0], [2]]
+
 _TINY = dict(
     hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None,

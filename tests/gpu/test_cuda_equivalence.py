@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from tests.tiny import save_reference_drafter, save_tiny_qwen3
+from tests.tiny import TINY_PROMPTS, save_reference_drafter, save_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-PROMPTS = [[1, 2, 3, 4, 0, 1, 2], [3, 3, 1], [0, 4, 2, 2, 1, 3, 0, 1, 4, 2, 3, 1, 0], [2]]
+PROMPTS = TINY_PROMPTS
 
 
 def check_spec_equals_plain_on_cuda(root: Path) -> dict[str, float]:

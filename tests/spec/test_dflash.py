@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from tests.tiny import save_reference_drafter, save_tiny_qwen3
+from tests.tiny import TINY_PROMPTS, save_reference_drafter, save_tiny_qwen3
 
 dflash_model = pytest.importorskip("dflash.model")
 # The reference times itself with CUDA events; on CPU a wall clock is enough.
 dflash_model._cuda_time = time.perf_counter
 
 VOCAB = 5  # small enough that random drafts are often right, so runs of accepted tokens occur
-PROMPTS = [[1, 2, 3, 4, 0, 1, 2], [3, 3, 1], [0, 4, 2, 2, 1, 3, 0, 1, 4, 2, 3, 1, 0], [2]]
+PROMPTS = TINY_PROMPTS
 DRAFTERS = {
     "b4": dict(block_size=4),
     "b8": dict(block_size=8),

@@ -14,7 +14,7 @@ from flashtree import LLM, SamplingParams
 from flashtree.spec.cost import load_profile, save_profile
 from flashtree.spec.policy import CostModel, SpecPolicy, budget_levels, choose_budgets
 from flashtree.spec.tree import best_path_logprobs, build_trees, topk_logprobs
-from tests.tiny import save_reference_drafter, save_tiny_qwen3
+from tests.tiny import TINY_PROMPTS
 
 LEVELS = budget_levels(15)  # (0, 1, 2, 4, 8, 15)
 
@@ -132,25 +132,17 @@ def test_profile_cache_round_trip_and_key_check(tmp_path, monkeypatch):
     assert load_profile({**key, "device": "other"}) is None
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("policy")
-    target = save_tiny_qwen3(root / "t", seed=5, vocab_size=5, initializer_range=0.3)
-    drafter = save_reference_drafter(root / "d", target, seed=7, block_size=8,
-                                     initializer_range=0.3)
-    return target, drafter
-
-
-PROMPTS = [[1, 2, 3, 4, 0, 1, 2], [3, 3, 1], [0, 4, 2, 2, 1, 3, 0, 1, 4, 2, 3, 1, 0], [2]]
+PROMPTS = TINY_PROMPTS
 
 
 @pytest.mark.parametrize("spec", ["dflash", "ddtree"])
-def test_adaptive_engine_is_lossless_with_varying_budgets_and_plain_steps(pair, spec, tmp_path,
+def test_adaptive_engine_is_lossless_with_varying_budgets_and_plain_steps(small_pair, spec,
+                                                                          tmp_path,
                                                                           monkeypatch):
     """A cost model under which budgets differ by request and step (and some steps run plain)
     must still give exactly plain decoding's greedy tokens, and give every KV page back."""
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
-    target, drafter = pair
+    target, drafter = small_pair
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
     expected = [o.outputs[0].token_ids for o in LLM(model=str(target), **common).generate(
@@ -167,8 +159,8 @@ def test_adaptive_engine_is_lossless_with_varying_budgets_and_plain_steps(pair, 
     assert sum(budgets.values()) == sum(len(o.outputs[0].spec_accept_lengths) for o in outs)
 
 
-def test_policy_name_is_checked(pair):
-    target, drafter = pair
+def test_policy_name_is_checked(small_pair):
+    target, drafter = small_pair
     with pytest.raises(ValueError, match="spec_policy='greedy'.*adaptive"):
         LLM(model=str(target), draft=str(drafter), spec_policy="greedy", device="cpu",
             skip_tokenizer_init=True)
@@ -176,13 +168,14 @@ def test_policy_name_is_checked(pair):
 
 @pytest.mark.parametrize("spec, policy", [("dflash", "fixed"), ("ddtree", "fixed"),
                                           ("ddtree", "adaptive")])
-def test_seeded_sampling_with_speculation_returns_plain_samples(pair, spec, policy, tmp_path,
+def test_seeded_sampling_with_speculation_returns_plain_samples(small_pair, spec, policy,
+                                                               tmp_path,
                                                                monkeypatch):
     """Each output position's token is drawn with the uniform of (seed, position), in plain
     decoding and at every tree node alike, so sample-and-match commits exactly the samples
     plain decoding draws, whatever budgets the policy picks (float32, same probabilities)."""
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
-    target, drafter = pair
+    target, drafter = small_pair
     sp = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=s, ignore_eos=True)
           for s in range(len(PROMPTS))]
     common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
@@ -209,14 +202,15 @@ def test_measured_step_overheads_enter_the_choice():
     assert policy.backoff == 1 and not policy.should_draft()
 
 
-def test_deferred_context_rows_reach_only_live_committed_positions(pair, tmp_path, monkeypatch):
+def test_deferred_context_rows_reach_only_live_committed_positions(small_pair, tmp_path,
+                                                                  monkeypatch):
     """Plain steps chosen by the policy defer the drafter's context rows; the next draft
     injects those of live requests up to their committed length and drops the rest (finished
     or preempted requests, whose pages may belong to others by then)."""
     from flashtree.spec.dflash import ContextRows
 
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
-    target, drafter = pair
+    target, drafter = small_pair
     llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
               skip_tokenizer_init=True, page_size=4)
     proposer, pages = llm.engine.proposer, llm.engine.pages

@@ -13,7 +13,7 @@ import torch
 from flashtree import LLM, SamplingParams
 from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.spec.tree import ancestor_mask, build_trees
-from tests.tiny import save_reference_drafter, save_tiny_qwen3
+from tests.tiny import TINY_PROMPTS, save_tiny_qwen3
 
 
 def _brute_force_top(logp: torch.Tensor, budget: int, cap: int | None) -> set[tuple[int, ...]]:
@@ -190,16 +190,7 @@ def test_kv_compaction_equals_fresh_prefill(target_dir, hf_target, path_kind):
     assert torch.allclose(logits[0], ref, atol=1e-5)
 
 
-PROMPTS = [[1, 2, 3, 4, 0, 1, 2], [3, 3, 1], [0, 4, 2, 2, 1, 3, 0, 1, 4, 2, 3, 1, 0], [2]]
-
-
-@pytest.fixture(scope="module")
-def small_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    target = save_tiny_qwen3(root / "t", seed=5, vocab_size=5, initializer_range=0.3)
-    drafter = save_reference_drafter(root / "d", target, seed=7, block_size=8,
-                                     initializer_range=0.3)
-    return target, drafter
+PROMPTS = TINY_PROMPTS
 
 
 @pytest.mark.parametrize("budget, cap", [(3, None), (7, None), (24, None), (24, 2)])
