@@ -31,6 +31,8 @@ def _add_policy_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-policy", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive: per step and request, the draft budget that maximises "
                         "expected tokens/s (0 = plain decoding); fixed: always the full one")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every forward runs eagerly (debugging)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -140,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     train.add_argument("--max-num-seqs", type=int, default=128,
                        help="batch size of the data generation")
+    train.add_argument("--enforce-eager", action="store_true",
+                       help="generate without CUDA graphs (debugging)")
     return parser
 
 
@@ -158,7 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return LLM(model=args.model, draft=args.draft, spec=args.spec,
                    block_size=args.block_size, tree_budget=args.tree_budget,
                    topk_cap=args.topk_cap, tree_sampling=args.tree_sampling,
-                   spec_policy=args.spec_policy,
+                   spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
                    device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, seed=args.seed,
                    tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
@@ -188,7 +192,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.val_examples < 0:
         raise ValueError(f"--val-examples must be >= 0, got {args.val_examples}")
     llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
     examples = _distillation_data(llm, args)
     cfg = TrainConfig(
         block_size=args.block_size, num_layers=args.layers,
@@ -265,8 +269,9 @@ def _load(args: argparse.Namespace):
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     return LLM(model=args.model, draft=args.draft, spec=args.spec, block_size=args.block_size,
                tree_budget=args.tree_budget, topk_cap=args.topk_cap,
-               spec_policy=args.spec_policy, device=args.device, dtype=args.dtype,
-               max_model_len=args.max_model_len, seed=args.seed)
+               spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
+               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               seed=args.seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -83,7 +83,6 @@ class LLM:
         if get_tp_size() > 1 and not _tp_member:
             raise ValueError("a tensor-parallel LLM is already running in this process (layers "
                              "read one process-wide group); call its shutdown() first")
-        del enforce_eager  # CUDA graphs come with the GPU fast path
         self.spec = spec
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._tp: TPGroup | None = None
@@ -97,7 +96,8 @@ class LLM:
             set_ep_size(expert_parallel_size)  # read by MoE layers as they are built
             self._build(model, draft, spec, block_size, tree_budget, topk_cap, dtype,
                         max_model_len, max_num_seqs, skip_tokenizer_init, seed, tree_sampling,
-                        spec_policy, page_size, kv_cache_pages, max_num_batched_tokens)
+                        spec_policy, page_size, kv_cache_pages, max_num_batched_tokens,
+                        enforce_eager)
         except BaseException:
             self.shutdown()
             raise
@@ -112,7 +112,7 @@ class LLM:
 
     def _build(self, model, draft, spec, block_size, tree_budget, topk_cap, dtype, max_model_len,
                max_num_seqs, skip_tokenizer_init, seed, tree_sampling, spec_policy, page_size,
-               kv_cache_pages, max_num_batched_tokens) -> None:
+               kv_cache_pages, max_num_batched_tokens, enforce_eager) -> None:
         self.dtype = parse_dtype(dtype, self.device)
         path = resolve_model_path(model)
         self.model, self.model_config = load_model(path, self.dtype, self.device)
@@ -134,7 +134,7 @@ class LLM:
         )
         cache = CacheConfig(page_size=page_size, num_pages=kv_cache_pages)
         args = EngineArgs(self.device, self.dtype, sched, cache, seed, block_size, spec,
-                          tree_budget, topk_cap, tree_sampling, spec_policy)
+                          tree_budget, topk_cap, tree_sampling, spec_policy, enforce_eager)
         self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args, self.drafter)
 
     # ----------------------------------------------------------------- generation

@@ -1,4 +1,16 @@
 from flashtree.attention.backend import AttentionBackend, AttentionMetadata
 from flashtree.attention.sdpa import SdpaBackend
+from flashtree.kv.cache import KVCache
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "SdpaBackend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "SdpaBackend", "make_backend"]
+
+
+def make_backend(cache: KVCache) -> AttentionBackend:
+    """The Triton paged-attention kernel on CUDA (no host-side plan: CUDA graphs can capture
+    it); the SDPA reference on CPU and for key-only MLA caches, which the kernel does not
+    cover."""
+    if cache.k.device.type == "cuda" and cache.v is not None:
+        from flashtree.attention.triton import TritonBackend  # triton ships with CUDA torch
+
+        return TritonBackend(cache)
+    return SdpaBackend(cache)

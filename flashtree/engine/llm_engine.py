@@ -18,6 +18,8 @@ from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.scheduler import ScheduledChunk, Scheduler
 from flashtree.engine.sequence import Sequence
 from flashtree.engine.speculative import SpecConfig, SpeculativeDecoder
+from flashtree.graphs.runner import batch_buckets
+from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
@@ -29,6 +31,9 @@ from flashtree.tokenizer import Tokenizer
 
 # Largest target forward the cost profile measures (bigger batches extrapolate its last slope).
 _PROFILE_MAX_TOKENS = 4096
+# Largest captured forward in token rows (beyond max_num_seqs decode rows): bigger verify
+# batches run eagerly, where launch overhead is small next to the work.
+_GRAPH_MAX_ROWS = 8192
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class EngineArgs:
     topk_cap: int | None = None  # DDTree: children considered per node
     tree_sampling: str = "match"  # temperature > 0: "match" | "rrs"
     spec_policy: str = "adaptive"  # "adaptive" (budgets per step) | "fixed" (always the full one)
+    enforce_eager: bool = False  # no CUDA graphs (debugging)
 
 
 class LLMEngine:
@@ -68,8 +74,10 @@ class LLMEngine:
             args.scheduler.max_num_seqs, args.scheduler.max_model_len,
             bytes_per_token * args.dtype.itemsize, args.device,
         ), args.device)
+        # One page more than the page tables hand out: its first slot takes the K/V of a
+        # captured graph's padded tokens.
         self.cache = KVCache(
-            model_cfg.num_layers, num_pages, args.cache.page_size, kv_heads, k_dim,
+            model_cfg.num_layers, num_pages + 1, args.cache.page_size, kv_heads, k_dim,
             args.dtype, args.device, v_head_dim=v_dim,
         )
         self.pages = PageTables(num_pages, args.cache.page_size)
@@ -87,6 +95,8 @@ class LLMEngine:
             capture = drafter.cfg.target_layer_ids
         self.scheduler = Scheduler(args.scheduler, self.pages, lookahead=self.lookahead)
         self.runner = ModelRunner(model, self.cache, self.pages, capture)
+        if self.uses_cuda_graphs:
+            self._capture_graphs(spec_cfg if drafter is not None else None)
         if self.proposer is not None:
             policy = None
             if args.spec_policy == "adaptive":
@@ -99,6 +109,33 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode, draft and verify replay CUDA graphs: on CUDA, unless `enforce_eager`, for
+        single-process models whose attention runs on the Triton kernel (not MLA)."""
+        return (self.args.device.type == "cuda" and not self.args.enforce_eager
+                and get_tp_size() == 1 and self.cache.v is not None)
+
+    def _capture_graphs(self, spec_cfg: SpecConfig | None) -> None:
+        """Capture decode (1 token per request) and, with a drafter, the draft block and the
+        verify shapes of every budget the policy can choose (chains or trees of budget + 1
+        tokens), for batch buckets up to max_num_seqs."""
+        page = self.args.cache.page_size
+        longest = self.args.scheduler.max_model_len + self.lookahead
+        dims = GraphDims(max_pages=-(-longest // page) + 1,
+                         scratch_slot=self.pages.num_pages * page)
+        buckets = batch_buckets(self.args.scheduler.max_num_seqs)
+        max_rows = max(_GRAPH_MAX_ROWS, self.args.scheduler.max_num_seqs)
+        shapes = [(GraphMode.DECODE, 1)]
+        if spec_cfg is not None:
+            mode = GraphMode.VERIFY_TREE if spec_cfg.method == "ddtree" else GraphMode.VERIFY_CHAIN
+            budgets = (budget_levels(spec_cfg.max_budget) if self.args.spec_policy == "adaptive"
+                       else (spec_cfg.max_budget,))
+            shapes += [(mode, b + 1) for b in budgets]
+            assert self.proposer is not None
+            self.proposer.capture_graphs(dims, buckets, spec_cfg.block_size, max_rows)
+        self.runner.capture_graphs(dims, buckets, shapes, max_rows)
 
     def _cost_model(self, spec_cfg: SpecConfig, drafter: DFlashDraftModel) -> CostModel:
         """The adaptive policy's step costs: cached for this shape of models and machine, else
@@ -115,7 +152,7 @@ class LLMEngine:
         if cost is None:
             cost = tp_broadcast_object(measure_cost_model(
                 self.runner, self.proposer, self.pages, max_tokens, max_requests,
-                spec_cfg.block_size))
+                spec_cfg.block_size, tree=spec_cfg.method == "ddtree"))
             if get_tp_rank() == 0:
                 save_profile(key, cost)
         return cost

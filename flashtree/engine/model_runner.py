@@ -1,11 +1,17 @@
-"""Runs the target model on a ForwardBatch over the paged KV cache."""
+"""Runs the target model on a ForwardBatch over the paged KV cache, replaying a captured CUDA
+graph for decode and verify batches when one holds the batch."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-from flashtree.attention.sdpa import SdpaBackend
+from flashtree.attention import make_backend
 from flashtree.engine.forward_batch import BatchItem, ForwardBatch, Mode
+from flashtree.graphs.forward import TargetForward, graph_inputs, graph_mode
+from flashtree.graphs.runner import GraphRunner
+from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.llama import DecoderModel
 
@@ -21,10 +27,21 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.pages = pages
-        self.backend = SdpaBackend(cache)
+        self.backend = make_backend(cache)
         self.device = cache.k.device
         # Decoder layers whose outputs every forward returns (DFlash context features).
         self.capture_layers = capture_layers
+        self.graphs: GraphRunner | None = None
+
+    def capture_graphs(self, dims: GraphDims, buckets: list[int],
+                       shapes: Iterable[tuple[GraphMode, int]], max_rows: int) -> None:
+        """Capture the target forward for every (mode, tokens per request) in `shapes` at every
+        batch bucket of at most `max_rows` token rows. Needs a backend without a host-side plan
+        and a cache slot no request owns (dims.scratch_slot)."""
+        forward = TargetForward(self.model, self.backend, self.capture_layers)
+        self.graphs = GraphRunner(forward, dims, self.device, buckets)
+        for mode, tokens in shapes:
+            self.graphs.capture(mode, tokens, max_rows)
 
     @torch.inference_mode()
     def forward(
@@ -35,9 +52,28 @@ class ModelRunner:
         layers are set, the concatenated outputs of those layers for every token
         [num_tokens, len(capture_layers) * hidden]."""
         batch = ForwardBatch.build(mode, items, self.pages, self.device)
+        replayed = self._replay(batch)
+        if replayed is not None:
+            return replayed
         self.backend.begin_forward(batch.attn)
         hidden, captured = self.model(
             batch.input_ids, batch.positions, self.backend, self.capture_layers
         )
         features = torch.cat(captured, dim=-1) if captured else None
         return self.model.compute_logits(hidden[batch.logit_rows], gather_logits), features
+
+    def _replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The captured graph's outputs for `batch` (copies: the static outputs are overwritten
+        by the next replay), or None when no graph holds it. Graphs gather the whole vocab."""
+        mode = graph_mode(batch) if self.graphs is not None else None
+        if mode is None:
+            return None
+        assert self.graphs is not None
+        num_seqs, tokens = batch.attn.num_seqs, batch.attn.max_query_len
+        if self.graphs.bucket(mode, num_seqs, tokens) is None:
+            return None
+        logits, features = self.graphs.run(mode, num_seqs, tokens, graph_inputs(batch))
+        logits = logits[: batch.logit_rows.shape[0]].clone()
+        if features is not None:
+            features = features[: batch.input_ids.shape[0]].clone()
+        return logits, features

@@ -42,6 +42,16 @@ class _Entry:
     outputs: Any  # the captured forward's outputs, overwritten by every replay
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    """Request counts to capture up to `max_batch`: 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (two per
+    octave: a padded replay runs at most a third more rows than the batch) and `max_batch`."""
+    buckets, size = [], 1
+    while size < max_batch:
+        buckets += [size] + ([size * 3 // 2] if size >= 2 else [])
+        size *= 2
+    return sorted({b for b in buckets if b < max_batch} | {max_batch})
+
+
 class GraphRunner:
     def __init__(
         self, forward: Forward, dims: GraphDims, device: torch.device,
@@ -65,11 +75,14 @@ class GraphRunner:
     def keys(self) -> list[GraphKey]:
         return list(self._entries)
 
-    def capture(self, mode: GraphMode, tokens: int) -> None:
+    def capture(self, mode: GraphMode, tokens: int, max_rows: int | None = None) -> None:
         """Allocate (and on CUDA capture) every batch bucket for `mode` at `tokens` tokens per
-        request. Largest first, so smaller graphs fit in the memory the largest reserved."""
+        request, or those of at most `max_rows` token rows (bigger batches then run eagerly).
+        Largest first, so smaller graphs fit in the memory the largest reserved."""
         assert tokens >= 1, f"{mode.value}: tokens per request {tokens}"
         for batch in reversed(self.batch_buckets):
+            if max_rows is not None and batch * tokens > max_rows:
+                continue
             key = GraphKey(mode, batch, tokens)
             static = allocate(key, self.dims, self.device)
             graph, outputs = self._capture(key, static) if self.use_cuda_graphs else (None, None)

@@ -74,10 +74,11 @@ def _timed(run, device: torch.device) -> float:
 @torch.inference_mode()
 def measure_cost_model(
     runner: ModelRunner, proposer: DFlashProposer, pages: PageTables, max_tokens: int,
-    max_requests: int, block_size: int,
+    max_requests: int, block_size: int, tree: bool,
 ) -> CostModel:
-    """Time target forwards of 1, 2, 4, ... `max_tokens` tokens (in verify blocks of up to 16)
-    and drafter forwards of 1, 2, 4, ... `max_requests` blocks of `block_size`. Scratch
+    """Time target forwards of 1, 2, 4, ... `max_tokens` tokens (in verify blocks of up to 16,
+    chains or, with `tree`, trees: what the engine's verify steps replay) and drafter forwards
+    of 1, 2, 4, ... `max_requests` blocks of `block_size`. Scratch
     requests take pages for the measurement and give them back; the caches' contents are
     scratch beyond committed lengths anyway."""
     device = runner.device
@@ -94,8 +95,11 @@ def measure_cost_model(
         target = []
         for tokens in _sizes(max_tokens):
             ids = reserve(-(-tokens // _CHUNK), _CHUNK)
-            items = [BatchItem(s, 0, [0] * min(_CHUNK, tokens - i * _CHUNK), all_logits=True)
-                     for i, s in enumerate(ids)]
+            sizes = [min(_CHUNK, tokens - i * _CHUNK) for i in range(len(ids))]
+            items = [BatchItem(s, 0, [0] * n, all_logits=True,
+                               positions=list(range(n)) if tree else None,
+                               visible=_causal(n, device) if tree else None)
+                     for s, n in zip(ids, sizes)]
             seconds = _timed(lambda it=items: runner.forward(Mode.VERIFY, it), device)
             target.append((tokens, seconds))
             _release(pages, scratch)
@@ -108,6 +112,11 @@ def measure_cost_model(
     finally:
         _release(pages, scratch)
     return CostModel(tuple(target), tuple(draft))
+
+
+def _causal(n: int, device: torch.device) -> torch.Tensor:
+    """A chain's ancestor-or-self mask as a tree: [n, n] bool, lower triangular."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
 def _release(pages: PageTables, scratch: list[int]) -> None:

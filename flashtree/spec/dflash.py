@@ -10,8 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtree.attention.sdpa import SdpaBackend
+from flashtree.attention import make_backend
 from flashtree.engine.forward_batch import BatchItem, ForwardBatch, Mode
+from flashtree.graphs.forward import DraftForward, graph_inputs
+from flashtree.graphs.runner import GraphRunner
+from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
@@ -36,21 +39,32 @@ class DFlashProposer:
         self.block_size = cfg.block_size
         self.mask_token_id = cfg.mask_token_id
         attn = draft.layers[0].self_attn
+        # One page more than the page tables hand out: its first slot takes the K/V of a
+        # captured graph's padded tokens (the target cache has the same spare page).
         self.cache = KVCache(
-            len(draft.layers), pages.num_pages, pages.page_size, attn.num_kv_heads, attn.head_dim,
-            dtype, device,
+            len(draft.layers), pages.num_pages + 1, pages.page_size, attn.num_kv_heads,
+            attn.head_dim, dtype, device,
         )
         self.device = device
         # One backend per distinct mask kind (full layers: bidirectional in the block;
         # sliding layers: causal and windowed), shared by the layers of that kind.
         kinds = sorted(set(zip(cfg.layer_causal, cfg.layer_windows)), key=str)
-        self._backends = {kind: SdpaBackend(self.cache) for kind in kinds}
+        self._backends = {kind: make_backend(self.cache) for kind in kinds}
         self._layer_backends = [
             self._backends[kind] for kind in zip(cfg.layer_causal, cfg.layer_windows)
         ]
         # Context rows of steps that ran plain decoding, injected together before the next
         # draft (the drafter reads nothing in between): seq_id -> rows in commit order.
         self._deferred: dict[int, list[ContextRows]] = {}
+        self.graphs: GraphRunner | None = None
+
+    def capture_graphs(self, dims: GraphDims, buckets: list[int], block_size: int,
+                       max_rows: int) -> None:
+        """Capture the draft block of `block_size` tokens per request (shorter blocks replay
+        padded) at every batch bucket of at most `max_rows` token rows."""
+        forward = DraftForward(self.draft, self.target, self._backends)
+        self.graphs = GraphRunner(forward, dims, self.device, buckets)
+        self.graphs.capture(GraphMode.DRAFT, block_size, max_rows)
 
     def defer(self, rows: list[ContextRows]) -> None:
         for r in rows:
@@ -91,6 +105,20 @@ class DFlashProposer:
             BatchItem(seq_id, n, [bonus] + [self.mask_token_id] * (b - 1), all_logits=True)
             for seq_id, n, bonus, b in blocks
         ]
+        # Every row is scored; slot 0 (the bonus) of each block is dropped after.
+        keep, start = [], 0
+        for it in items:
+            keep += range(start + 1, start + len(it.tokens))
+            start += len(it.tokens)
+        keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+        max_block = max(b for *_, b in blocks)
+        if self.graphs is not None and self.graphs.bucket(GraphMode.DRAFT, len(items),
+                                                          max_block) is not None:
+            # The graph gathers the whole vocab; its outputs are static buffers (copied here).
+            batch = ForwardBatch.build(Mode.DRAFT, items, self.pages, self.device)
+            logits = self.graphs.run(GraphMode.DRAFT, len(items), max_block,
+                                     graph_inputs(batch))
+            return logits[keep_rows]
         batch = None
         for (causal, window), backend in self._backends.items():
             batch = ForwardBatch.build(
@@ -100,9 +128,4 @@ class DFlashProposer:
         assert batch is not None
         embeds = self.target.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         hidden = self.draft(embeds, batch.positions, self._layer_backends)
-        # Every row was marked for scoring; drop slot 0 (the bonus) of each block.
-        keep = torch.cat([
-            torch.arange(start + 1, start + len(it.tokens), device=self.device)
-            for start, it in zip(batch.attn.query_start.tolist(), items)
-        ])
-        return self.draft.logits(hidden[keep], self.target.lm_head, gather)
+        return self.draft.logits(hidden[keep_rows], self.target.lm_head, gather)

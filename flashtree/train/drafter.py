@@ -364,15 +364,22 @@ def train_drafter(
         bar.update(1)
         if step + 1 == _TIMING_WARMUP:
             warmed = time.time()
-        if cfg.time_budget is not None and step + 1 == _TIMING_STEPS:
-            # Shrink the run (and its cosine schedule) to what the time budget allows.
-            per_step = ((time.time() - warmed) / (_TIMING_STEPS - _TIMING_WARMUP)
-                        + val_cost / cfg.log_every)
+        refit = step + 1 == _TIMING_STEPS or (step + 1 > _TIMING_STEPS
+                                               and (step + 1) % cfg.log_every == 1)
+        if cfg.time_budget is not None and refit:
+            # Fit the run (and its cosine schedule) to what the time budget allows; refitted
+            # after each validation, whose cost the first estimate only guesses (the start-up
+            # pass includes compilation).
+            done = step + 1 - _TIMING_WARMUP
+            per_step = (time.time() - warmed) / done
+            if step + 1 == _TIMING_STEPS:
+                per_step += val_cost / cfg.log_every
             left = (cfg.time_budget - (time.time() - start)) / per_step
-            total = max(_TIMING_STEPS + 1, min(cfg.steps, _TIMING_STEPS + int(left)))
-            warm = max(1, int(cfg.warmup * total))
+            total = max(step + 2, min(cfg.steps, step + 1 + int(left)))
             bar.total = total
-            _log(bar, f"{per_step:.3f}s per step: training {total} steps")
+            if step + 1 == _TIMING_STEPS:
+                warm = max(1, int(cfg.warmup * total))
+                _log(bar, f"{per_step:.3f}s per step: training {total} steps")
         if (step + 1) % cfg.log_every == 0 or step + 1 == total:
             mean_loss = sum(x for x, _ in running) / len(running)
             mean_acc = sum(y for _, y in running) / len(running)

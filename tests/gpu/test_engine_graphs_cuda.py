@@ -1,0 +1,51 @@
+"""On a CUDA device the engine replays CUDA graphs for decode, draft and verify by default:
+its tokens equal the eager engine's (`enforce_eager=True`) for plain, DFlash and DDTree
+decoding, fixed and adaptive budgets, greedy and seeded sampling, with batches that run padded
+in a larger bucket. Skips without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtree import LLM, SamplingParams
+from flashtree.graphs.schema import GraphMode
+from tests.tiny import TINY_PROMPTS, save_reference_drafter, save_tiny_qwen3
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Five requests: decode replays the bucket of six, padded.
+PROMPTS = [*TINY_PROMPTS, [4, 1, 1, 3, 6, 5]]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_graphs")
+    target = save_tiny_qwen3(root / "t", seed=5, vocab_size=7, initializer_range=0.3)
+    drafter = save_reference_drafter(root / "d", target, seed=7, block_size=8,
+                                     initializer_range=0.3)
+    return str(target), str(drafter)
+
+
+def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("spec,policy", [("none", "fixed"), ("dflash", "fixed"),
+                                         ("dflash", "adaptive"), ("ddtree", "fixed"),
+                                         ("ddtree", "adaptive")])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_graph_engine_equals_eager_engine(pair, spec, policy, temperature):
+    target, drafter = pair
+    kw = dict(model=target, device="cuda", dtype="float32", skip_tokenizer_init=True,
+              page_size=4, max_num_seqs=8, spec=spec, spec_policy=policy)
+    if spec != "none":
+        kw["draft"] = drafter
+    params = SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True, seed=3)
+    graphed = LLM(**kw)
+    runner = graphed.engine.runner
+    assert runner.graphs is not None and runner.graphs.bucket(GraphMode.DECODE, 5, 1).batch == 6
+    if spec != "none":
+        assert graphed.engine.proposer.graphs is not None
+    assert _tokens(graphed, params) == _tokens(LLM(**kw, enforce_eager=True), params)
+    assert graphed.engine.pages.num_free == graphed.engine.pages.num_pages
