@@ -74,7 +74,14 @@ class ForwardBatch:
 
         max_q = max(len(it.tokens) for it in items)
         new_token_mask = None
-        if any(it.visible is not None for it in items):
+        if all(it.visible is not None and len(it.tokens) == max_q for it in items):
+            # Trees of one size (a fixed budget): one stack instead of a copy per request.
+            new_token_mask = torch.stack([it.visible for it in items]).to(device)
+            assert new_token_mask.shape == (len(items), max_q, max_q), (
+                f"{mode.value}: visibility {tuple(new_token_mask.shape)} for {len(items)} "
+                f"requests of {max_q} tokens"
+            )
+        elif any(it.visible is not None for it in items):
             tril = torch.ones(max_q, max_q, dtype=torch.bool, device=device).tril()
             new_token_mask = tril.repeat(len(items), 1, 1)  # [num_seqs, max_q, max_q]
             for i, it in enumerate(items):

@@ -103,7 +103,7 @@ class SpeculativeDecoder:
         logits, features = self.runner.forward(Mode.VERIFY, items, gather_logits=not all_greedy)
         assert features is not None, "verify must capture the drafter's target layers"
         walked = self._greedy_walks(plans, logits) if all_greedy else None
-        injected, committed, base = [], [], 0
+        kept, kept_rows, committed, base = [], [], [], 0
         for i, (seq, plan) in enumerate(zip(seqs, plans)):
             n = len(plan.cand.tokens)
             if walked is not None:
@@ -117,17 +117,22 @@ class SpeculativeDecoder:
                 else:
                     decisions = self._node_decisions(seq, rows, plan.depths)
                     path, new = walk(plan.cand.children, lambda v, _prev, d=decisions: d[v])
-            start = seq.num_computed
-            # The accepted nodes' KV moves to logical indices start.., the rest is dropped.
-            self.pages.keep(self.cache, seq.seq_id, start, path)
-            seq.num_computed = start + len(path)
-            rows_kept = torch.tensor(path, device=features.device) + base
-            injected.append(ContextRows(seq.seq_id, start, features[rows_kept]))
+            kept.append((seq.seq_id, seq.num_computed, path))
+            kept_rows += [base + v for v in path]
             committed.append(Verified(new, n - 1))
             if self.policy is not None and plan.predicted is not None:
                 self.policy.observe(seq.seq_id, len(path) - 1, plan.predicted)
             self.stats.record_budget(n - 1)
             base += n
+        # The accepted nodes' KV moves to logical indices start.., the rest is dropped: one
+        # batched move, and one gather of their features for the draft KV.
+        self.pages.keep(self.cache, kept)
+        kept_features = features[torch.tensor(kept_rows, device=features.device)]
+        injected = []
+        for seq, (seq_id, start, path), rows_of_seq in zip(
+                seqs, kept, kept_features.split([len(path) for *_, path in kept])):
+            seq.num_computed = start + len(path)
+            injected.append(ContextRows(seq_id, start, rows_of_seq))
         self.proposer.inject(injected)
         if self.policy is not None:
             self.policy.forget({s.seq_id for s in seqs})

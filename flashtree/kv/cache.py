@@ -111,16 +111,23 @@ class PageTables:
         self._free.extend(reversed(self._tables.pop(seq_id, [])))
         self.lengths.pop(seq_id, None)
 
-    def keep(self, cache: KVCache, seq_id: int, start: int, keep_offsets: list[int]) -> None:
-        """Keep the tokens at logical indices `start + keep_offsets[j]` (written speculatively
-        past the committed length `start`) as indices `start + j`, and drop every other
-        token past `start`. Offsets must be strictly increasing."""
-        assert all(a < b for a, b in zip(keep_offsets, keep_offsets[1:])), keep_offsets
-        moved = [(o, j) for j, o in enumerate(keep_offsets) if o != j]
-        if moved:
+    def keep(self, cache: KVCache, kept: list[tuple[int, int, list[int]]]) -> None:
+        """For each (seq_id, start, keep_offsets): keep the tokens at logical indices
+        `start + keep_offsets[j]` (written speculatively past the committed length `start`) as
+        indices `start + j`, and drop every other token past `start`. Offsets must be strictly
+        increasing. One cache move for all requests (their slots are disjoint)."""
+        src: list[int] = []
+        dst: list[int] = []
+        p = self.page_size
+        for seq_id, start, offsets in kept:
+            assert all(a < b for a, b in zip(offsets, offsets[1:])), offsets
+            table = self._tables[seq_id]
+            for j, o in enumerate(offsets):
+                if o != j:
+                    src.append(table[(start + o) // p] * p + (start + o) % p)
+                    dst.append(table[(start + j) // p] * p + (start + j) % p)
+        if src:
             device = cache.k.device
-            table, p = self._tables[seq_id], self.page_size
-            src = torch.tensor([table[(start + o) // p] * p + (start + o) % p for o, _ in moved])
-            dst = torch.tensor([table[(start + j) // p] * p + (start + j) % p for _, j in moved])
-            cache.move(src.to(device), dst.to(device))
-        self.set_length(seq_id, start + len(keep_offsets))
+            cache.move(torch.tensor(src, device=device), torch.tensor(dst, device=device))
+        for seq_id, start, offsets in kept:
+            self.set_length(seq_id, start + len(offsets))

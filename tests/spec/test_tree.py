@@ -178,7 +178,7 @@ def test_kv_compaction_equals_fresh_prefill(target_dir, hf_target, path_kind):
         path.append(parents[path[-1]])
     path = path[::-1]
     start = seq.num_computed
-    llm.engine.pages.keep(llm.engine.cache, seq.seq_id, start, path)
+    llm.engine.pages.keep(llm.engine.cache, [(seq.seq_id, start, path)])
     assert llm.engine.pages.lengths[seq.seq_id] == start + len(path)
     committed = prompt + seq.output_ids[:-1] + [tokens[v] for v in path]
     next_token = rng.randrange(VOCAB)
