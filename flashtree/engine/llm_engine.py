@@ -205,7 +205,7 @@ class LLMEngine:
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
         if self.speculative is None or not chunks[0].decode:
             return self._plain_step(chunks)
-        speculate = self.speculative.wants_draft()
+        speculate = self.speculative.wants_draft(len(chunks))
         start = time.perf_counter()
         if speculate:
             done = self._speculative_step(chunks)

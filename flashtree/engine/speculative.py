@@ -84,9 +84,10 @@ class SpeculativeDecoder:
         self._vocab_start, self._vocab_size = lm_head.vocab_start, lm_head.vocab_size
         self.stats = SpecStats()
 
-    def wants_draft(self) -> bool:
-        """Whether this decode step speculates (the adaptive policy may run it plain)."""
-        return self.policy is None or self.policy.should_draft()
+    def wants_draft(self, requests: int) -> bool:
+        """Whether a decode step of `requests` speculates (the adaptive policy may run it
+        plain)."""
+        return self.policy is None or self.policy.should_draft(requests)
 
     def step(self, seqs: list[Sequence]) -> list[Verified]:
         """Returns what each request commits (accepted drafts + the target's next one) and how
@@ -135,6 +136,8 @@ class SpeculativeDecoder:
             injected.append(ContextRows(seq_id, start, rows_of_seq))
         self.proposer.inject(injected)
         if self.policy is not None:
+            self.policy.observe_speculation(len(seqs), sum(v.num_candidates for v in committed),
+                                            len(kept_rows) - len(seqs))
             self.policy.forget({s.seq_id for s in seqs})
         return committed
 

@@ -22,6 +22,7 @@ _DECAY = 0.9  # weight of the past in the acceptance sums, per step
 _PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
 _MAX_BACKOFF = 256  # at most this many plain steps between two probes of speculation
 _OVERHEAD_RATE = 0.2  # weight of the newest step in the measured per-step overheads
+_FORCED_PROBE = 1024  # plain steps the forecast may choose in a row before a real probe
 
 
 def budget_levels(max_budget: int) -> tuple[int, ...]:
@@ -110,16 +111,36 @@ class Calibration:
 
 @dataclass
 class StepOverhead:
-    """What a whole engine step costs beyond the forwards the cost model predicts (host work,
-    tree building, sampling), as a moving average of measured minus predicted seconds."""
+    """What an engine step costs beyond the forwards the cost model predicts (host work, tree
+    building, sampling), per request since that work grows with the batch: a moving average of
+    (measured - predicted seconds) / requests."""
 
-    seconds: float = 0.0
+    per_request: float = 0.0
     seen: bool = False
 
-    def add(self, measured: float, predicted: float) -> None:
-        extra = max(0.0, measured - predicted)
-        self.seconds = extra if not self.seen else (
-            (1 - _OVERHEAD_RATE) * self.seconds + _OVERHEAD_RATE * extra)
+    def add(self, measured: float, predicted: float, requests: int) -> None:
+        extra = max(0.0, measured - predicted) / max(1, requests)
+        self.per_request = extra if not self.seen else (
+            (1 - _OVERHEAD_RATE) * self.per_request + _OVERHEAD_RATE * extra)
+        self.seen = True
+
+    def seconds(self, requests: int) -> float:
+        return self.per_request * requests
+
+
+@dataclass
+class RecentSpeculation:
+    """Moving averages, per request and speculative step, of the drafts verified and accepted:
+    what a step at the current drafter quality commits, before any drafting."""
+
+    verified: float = 0.0
+    accepted: float = 0.0
+    seen: bool = False
+
+    def add(self, verified: float, accepted: float) -> None:
+        rate = _OVERHEAD_RATE if self.seen else 1.0
+        self.verified += rate * (verified - self.verified)
+        self.accepted += rate * (accepted - self.accepted)
         self.seen = True
 
 
@@ -136,14 +157,35 @@ class SpecPolicy:
     plain_steps_left: int = 0
     plain_overhead: StepOverhead = field(default_factory=StepOverhead)
     spec_overhead: StepOverhead = field(default_factory=StepOverhead)
+    recent: RecentSpeculation = field(default_factory=RecentSpeculation)
+    gated_steps: int = 0  # plain steps in a row that the forecast chose without a probe
     predicted_s: float = 0.0  # forward seconds the last choice expects (draft + verify)
 
-    def should_draft(self) -> bool:
-        """False while the last probe said plain decoding is faster (the step runs plain)."""
+    def should_draft(self, requests: int) -> bool:
+        """False (the step runs plain) while the last probe said plain decoding is faster, or
+        when the forecast from recent speculative steps (their accepted and verified drafts,
+        and the measured per-request overheads, at this batch size) says a draft cannot pay
+        for itself; one real probe every _FORCED_PROBE such steps keeps the forecast fresh."""
         if self.plain_steps_left > 0:
             self.plain_steps_left -= 1
             return False
-        return True
+        if self.forecast_pays(requests) or self.gated_steps >= _FORCED_PROBE:
+            self.gated_steps = 0
+            return True
+        self.gated_steps += 1
+        return False
+
+    def forecast_pays(self, requests: int) -> bool:
+        """Whether a speculative step of `requests` is expected to commit tokens faster than
+        a plain one, judged before drafting from recent speculative steps (True until there
+        are some, and until a speculative step's overhead has been measured)."""
+        if not (self.recent.seen and self.spec_overhead.seen):
+            return True
+        n, r = requests, self.recent
+        spec_s = (self.cost.draft_s(n) + self.cost.target_s(round(n * (1 + r.verified)))
+                  + self.spec_overhead.seconds(n))
+        plain_s = self.cost.target_s(n) + self.plain_overhead.seconds(n)
+        return n * (1 + r.accepted) / spec_s >= n / plain_s
 
     def scale(self, seq_id: int) -> float:
         """Accepted per predicted draft for this request, shrunk towards the batch's ratio."""
@@ -156,9 +198,9 @@ class SpecPolicy:
         drafter path probabilities over the nodes of budget levels[j]."""
         gains = [[g * self.scale(s) for g in row] for s, row in zip(seq_ids, raw_gains)]
         n = len(seq_ids)
-        fixed = self.cost.draft_s(n) + self.spec_overhead.seconds
+        fixed = self.cost.draft_s(n) + self.spec_overhead.seconds(n)
         picks, value = choose_budgets(gains, self.levels, self.cost, fixed)
-        plain_value = n / (self.cost.target_s(n) + self.plain_overhead.seconds)
+        plain_value = n / (self.cost.target_s(n) + self.plain_overhead.seconds(n))
         tokens = n + sum(self.levels[j] for j in picks)
         self.predicted_s = self.cost.draft_s(n) + self.cost.target_s(tokens)
         if value < plain_value:  # drafting did not pay: plain steps, then probe again
@@ -171,9 +213,14 @@ class SpecPolicy:
     def observe_step(self, speculative: bool, requests: int, seconds: float) -> None:
         """A decode step of `requests` took `seconds` of wall time: learn its overhead."""
         if speculative:
-            self.spec_overhead.add(seconds, self.predicted_s)
+            self.spec_overhead.add(seconds, self.predicted_s, requests)
         else:
-            self.plain_overhead.add(seconds, self.cost.target_s(requests))
+            self.plain_overhead.add(seconds, self.cost.target_s(requests), requests)
+
+    def observe_speculation(self, requests: int, verified: int, accepted: int) -> None:
+        """A speculative step verified `verified` and accepted `accepted` drafts over
+        `requests` requests (the forecast's inputs)."""
+        self.recent.add(verified / requests, accepted / requests)
 
     def observe(self, seq_id: int, accepted: int, predicted: float) -> None:
         """After verification: `accepted` drafts of the chosen candidates, whose raw predicted

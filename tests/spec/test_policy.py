@@ -12,7 +12,13 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.spec.cost import load_profile, save_profile
-from flashtree.spec.policy import CostModel, SpecPolicy, budget_levels, choose_budgets
+from flashtree.spec.policy import (
+    _FORCED_PROBE,
+    CostModel,
+    SpecPolicy,
+    budget_levels,
+    choose_budgets,
+)
 from flashtree.spec.tree import best_path_logprobs, build_trees, topk_logprobs
 from tests.tiny import TINY_PROMPTS
 
@@ -68,17 +74,17 @@ def test_a_probe_that_does_not_pay_backs_off_doubling_then_recovers():
     policy = SpecPolicy(_cost(per_token=0.5), LEVELS)
     plain_runs = []
     for _ in range(10):
-        assert policy.should_draft()
+        assert policy.should_draft(1)
         policy.choose([0], [_chain_gains(0.05)])  # drafting loses: plain steps follow
         skipped = 0
-        while not policy.should_draft():
+        while not policy.should_draft(1):
             skipped += 1
         plain_runs.append(skipped)
         policy.plain_steps_left = 0  # should_draft() above already consumed one probe
     assert plain_runs == [1, 2, 4, 8, 16, 32, 64, 128, 256, 256]
     policy.cost = _cost(per_token=1e-6)
     policy.choose([0], [_chain_gains(0.95)])
-    assert policy.backoff == 0 and policy.should_draft()
+    assert policy.backoff == 0 and policy.should_draft(1)
 
 
 def test_calibration_scales_predictions_by_observed_acceptance():
@@ -196,10 +202,29 @@ def test_measured_step_overheads_enter_the_choice():
     assert max(policy.choose(list(range(4)), gains)) > 0 and policy.backoff == 0
     policy.observe_step(True, 4, policy.predicted_s + 1.0)
     policy.observe_step(False, 4, policy.cost.target_s(4))
-    assert policy.spec_overhead.seconds == pytest.approx(1.0)
-    assert policy.plain_overhead.seconds == pytest.approx(0.0)
+    assert policy.spec_overhead.seconds(4) == pytest.approx(1.0)
+    assert policy.spec_overhead.seconds(8) == pytest.approx(2.0)  # host work per request
+    assert policy.plain_overhead.seconds(4) == pytest.approx(0.0)
     policy.choose(list(range(4)), gains)
-    assert policy.backoff == 1 and not policy.should_draft()
+    assert policy.backoff == 1 and not policy.should_draft(4)
+
+
+def test_forecast_skips_drafting_where_recent_steps_did_not_pay():
+    """Once speculative steps have been measured, a batch size where their per-request
+    overhead outweighs what they commit runs plain without drafting (no costly probe), a small
+    batch still drafts, and a real probe comes after _FORCED_PROBE forecast-plain steps."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    assert policy.should_draft(256)  # nothing measured yet: probe
+    policy.observe_speculation(requests=8, verified=32, accepted=8)  # 4 verified, 1 accepted
+    policy.predicted_s = policy.cost.draft_s(8) + policy.cost.target_s(40)
+    policy.observe_step(True, 8, policy.predicted_s + 8 * 0.002)  # 2 ms host work a request
+    policy.observe_step(False, 8, policy.cost.target_s(8))
+    assert policy.forecast_pays(1) and not policy.forecast_pays(256)
+    assert policy.should_draft(1)
+    plain = 0
+    while not policy.should_draft(256):
+        plain += 1
+    assert plain == _FORCED_PROBE
 
 
 def test_deferred_context_rows_reach_only_live_committed_positions(small_pair, tmp_path,
