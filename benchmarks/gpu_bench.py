@@ -279,17 +279,6 @@ def ft_e2e(llm: LLM, prompt: list[int], tokens: int) -> dict:
     return e2e_numbers(run_s, tokens)
 
 
-def add_index_metadata(ckpt: Path) -> None:
-    """transformers reads `metadata` from a sharded checkpoint's index; tp_bench's writer
-    leaves it out, so add it (total_size: the shards' file sizes, near enough)."""
-    path = ckpt / "model.safetensors.index.json"
-    index = json.loads(path.read_text())
-    if "metadata" not in index:
-        files = set(index["weight_map"].values())
-        index["metadata"] = {"total_size": sum((ckpt / f).stat().st_size for f in files)}
-        path.write_text(json.dumps(index))
-
-
 def empty_cache(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -347,7 +336,6 @@ class Bench:
                 make_target(target, shape, shape["num_hidden_layers"], gen_dev)
             if not (drafter / "model.safetensors.index.json").exists():
                 make_drafter(drafter, target, shape, 5, 16, gen_dev)
-            add_index_metadata(target)
             self._ckpt = target, drafter
         return self._ckpt
 

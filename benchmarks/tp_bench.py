@@ -59,7 +59,9 @@ def fill_and_save(model: torch.nn.Module, out: Path, seed: int, std: float, devi
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in shard})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}  # as transformers reads
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def make_target(out: Path, shape: dict, layers: int, device: str) -> Path:
