@@ -10,7 +10,7 @@
 
 and writes `benchmarks/results/<date>-gpu.md` plus a JSON beside it, with goals met / not met.
 
-    python benchmarks/gpu_bench.py --default-draft DIR
+    python benchmarks/gpu_bench.py             # default pair: SmolLM2 + the shipped drafter
     python benchmarks/gpu_bench.py --shape tiny --device cpu --work /tmp/gb --out /tmp/gb/x.md \
         --default-model TINY_TARGET --default-draft TINY_DRAFTER      # a check of the script
 
@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.tp_bench import QWEN3_8B, TINY, make_drafter, make_target, step_times  # noqa: E402
 from flashtree import LLM, SamplingParams  # noqa: E402
 from flashtree.engine.forward_batch import BatchItem, Mode  # noqa: E402
+from flashtree.models.registry import DEFAULT_DRAFTER_DIR  # noqa: E402
 from flashtree.spec.dflash import ContextRows  # noqa: E402
 from flashtree.spec.tree import ancestor_mask  # noqa: E402
 
@@ -515,8 +516,6 @@ class Bench:
     def default_pair(self) -> list[str]:
         from flashtree.models.registry import resolve_model_path
 
-        if not self.args.default_draft:
-            raise ValueError("the default-pair section needs --default-draft DIR")
         self.release()
         target = resolve_model_path(self.args.default_model)
         prompts, source = pair_prompts(target, self.args.pair_prompts)
@@ -768,7 +767,8 @@ def main() -> int:
                     help="soft budget in seconds: sections that would start later are skipped "
                          "(the report is rewritten after every section)")
     ap.add_argument("--default-model", default="default", help="target of the default pair")
-    ap.add_argument("--default-draft", default=None, help="z-lab-format DFlash drafter dir")
+    ap.add_argument("--default-draft", default=str(DEFAULT_DRAFTER_DIR),
+                    help="z-lab-format DFlash drafter dir (default: the shipped one)")
     ap.add_argument("--reps", type=int, default=None,
                     help="timed runs per step measurement (default 20; 5 for tiny)")
     ap.add_argument("--pair-prompts", type=int, default=8)
