@@ -47,7 +47,8 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark methods x concurrencies (in process), or "
                                          "`bench serving` against an HTTP server")
     bench.add_argument("--model", default="default")
-    bench.add_argument("--draft", default=None, help="DFlash drafter (needed by dflash/ddtree)")
+    bench.add_argument("--draft", default=None,
+                       help="DFlash drafter (dflash/ddtree; the default model has its own)")
     bench.add_argument("--spec", default="none,dflash,ddtree",
                        help="comma list of methods, each METHOD[:POLICY[:BUDGET]]: none, dflash "
                             "or ddtree; adaptive (default) or fixed; a fixed budget (tree nodes "
@@ -110,8 +111,9 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
 
     specs = [s for s in args.spec.split(",") if s]
     methods = [parse_method(s) for s in specs]
-    if any(m.spec != "none" for m in methods) and args.draft is None:
-        raise ValueError("--spec dflash/ddtree need --draft DIR (or use --spec none)")
+    if any(m.spec != "none" for m in methods) and args.draft is None and args.model != "default":
+        raise ValueError("--spec dflash/ddtree need --draft DIR (the default model has its own "
+                         "drafter; or use --spec none)")
     datasets = [d for d in args.dataset.split(",") if d]
     bar = _progress(len(specs) * len(datasets) * len(args.concurrency) * args.num_prompts,
                     not args.no_progress)

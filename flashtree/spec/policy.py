@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 POLICIES = ("adaptive", "fixed")
 _DECAY = 0.9  # weight of the past in the acceptance sums, per step
 _PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
 _MAX_BACKOFF = 256  # at most this many plain steps between two probes of speculation
-_OVERHEAD_RATE = 0.2  # weight of the newest step in the measured per-step overheads
+_RECENT_RATE = 0.2  # weight of the newest speculative step in RecentSpeculation
+_OVERHEAD_SAMPLES = 8  # steps whose median is the measured per-request overhead
 _FORCED_PROBE = 1024  # plain steps the forecast may choose in a row before a real probe
 
 
@@ -112,17 +115,23 @@ class Calibration:
 @dataclass
 class StepOverhead:
     """What an engine step costs beyond the forwards the cost model predicts (host work, tree
-    building, sampling), per request since that work grows with the batch: a moving average of
-    (measured - predicted seconds) / requests."""
+    building, sampling), per request since that work grows with the batch: the median of the
+    last few steps' (measured - predicted seconds) / requests. A median, so that one cold step
+    (first-call allocations, a preempted process) does not hold speculation off for the
+    hundreds of plain steps it takes the back-off to probe again."""
 
-    per_request: float = 0.0
-    seen: bool = False
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=_OVERHEAD_SAMPLES))
+
+    @property
+    def seen(self) -> bool:
+        return bool(self.samples)
+
+    @property
+    def per_request(self) -> float:
+        return statistics.median(self.samples) if self.samples else 0.0
 
     def add(self, measured: float, predicted: float, requests: int) -> None:
-        extra = max(0.0, measured - predicted) / max(1, requests)
-        self.per_request = extra if not self.seen else (
-            (1 - _OVERHEAD_RATE) * self.per_request + _OVERHEAD_RATE * extra)
-        self.seen = True
+        self.samples.append(max(0.0, measured - predicted) / max(1, requests))
 
     def seconds(self, requests: int) -> float:
         return self.per_request * requests
@@ -138,7 +147,7 @@ class RecentSpeculation:
     seen: bool = False
 
     def add(self, verified: float, accepted: float) -> None:
-        rate = _OVERHEAD_RATE if self.seen else 1.0
+        rate = _RECENT_RATE if self.seen else 1.0
         self.verified += rate * (verified - self.verified)
         self.accepted += rate * (accepted - self.accepted)
         self.seen = True

@@ -252,3 +252,17 @@ def test_deferred_context_rows_reach_only_live_committed_positions(small_pair, t
     assert injected == rows[:1]  # seq 5 beyond its length 4 and seq 6 (not live) are dropped
     proposer.flush({5, 6})
     assert injected == rows[:1]  # nothing is injected twice
+
+
+def test_one_cold_step_does_not_hold_speculation_off():
+    """The overhead is a median of recent steps: a first speculative step that took a second
+    longer (a cold start) stops counting once a few normal steps are measured."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    gains = [_chain_gains(0.7)] * 4
+    policy.choose(list(range(4)), gains)
+    policy.observe_step(True, 4, policy.predicted_s + 1.0)
+    for _ in range(2):
+        policy.observe_step(True, 4, policy.predicted_s)
+    assert policy.spec_overhead.seconds(4) == pytest.approx(0.0)
+    policy.choose(list(range(4)), gains)
+    assert policy.backoff == 0
