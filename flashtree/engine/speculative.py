@@ -159,13 +159,17 @@ class SpeculativeDecoder:
         rows: dict[int, torch.Tensor] = {}  # seq_id -> [b - 1, V] draft logits
         greedy: dict[int, list[int]] = {}  # seq_id -> the b - 1 argmax drafts
         if logits is not None:
-            # one device sync for the batch
-            argmax = (logits.argmax(dim=-1) if full
-                      else vocab_argmax(logits, self._vocab_start)).tolist()
+            # Chains draft the argmax tokens (one device sync for the batch); trees take the
+            # top-k in _plan_trees instead.
+            argmax = None
+            if cfg.method == "dflash":
+                argmax = (logits.argmax(dim=-1) if full
+                          else vocab_argmax(logits, self._vocab_start)).tolist()
             offset = 0
             for s, b in drafted:
                 rows[s.seq_id] = logits[offset : offset + b - 1]
-                greedy[s.seq_id] = argmax[offset : offset + b - 1]
+                if argmax is not None:
+                    greedy[s.seq_id] = argmax[offset : offset + b - 1]
                 offset += b - 1
         plans: list[_Planned | None] = [None] * len(seqs)
         chains, trees = [], []  # indices of requests with deterministic candidates
@@ -240,8 +244,9 @@ class SpeculativeDecoder:
                                                predicted[j])
                 continue
             built = build_trees_from_topk(top_lp[group], top_tok[group], roots[group], budget)
-            tokens, parents = built.tokens.tolist(), built.parent.tolist()
-            depths = built.depth.tolist()
+            # [3, R, N] -> one device sync for the group's tokens, parents and depths
+            tokens, parents, depths = torch.stack([built.tokens, built.parent,
+                                                   built.depth]).tolist()
             for g, j in enumerate(group):
                 i = trees[j]
                 cand = Candidates.tree(tokens[g], parents[g], depths[g], seqs[i].num_computed,
