@@ -24,7 +24,8 @@ _DECAY = 0.9  # weight of the past in the acceptance sums, per step
 _PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
 _MAX_BACKOFF = 256  # at most this many plain steps between two probes of speculation
 _RECENT_RATE = 0.2  # weight of the newest speculative step in RecentSpeculation
-_OVERHEAD_SAMPLES = 8  # steps whose median is the measured per-request overhead
+_SCALE_SAMPLES = 8  # steps whose median measured/predicted ratio corrects the profile
+_PLAIN_PROBE = 64  # speculative steps in a row before one plain step re-measures plain decoding
 _FORCED_PROBE = 1024  # plain steps the forecast may choose in a row before a real probe
 
 
@@ -113,28 +114,25 @@ class Calibration:
 
 
 @dataclass
-class StepOverhead:
-    """What an engine step costs beyond the forwards the cost model predicts (host work, tree
-    building, sampling), per request since that work grows with the batch: the median of the
-    last few steps' (measured - predicted seconds) / requests. A median, so that one cold step
-    (first-call allocations, a preempted process) does not hold speculation off for the
-    hundreds of plain steps it takes the back-off to probe again."""
+class StepScale:
+    """Measured over predicted seconds of recent engine steps of one kind (speculative or
+    plain): corrects the profile for what it does not see (host work, tree building, sampling)
+    and for a profile measured while the machine was busier or idler than now. The median of
+    the last few steps, so that one cold step (first-call allocations, a preempted process)
+    does not hold speculation off for the hundreds of plain steps the back-off waits."""
 
-    samples: deque[float] = field(default_factory=lambda: deque(maxlen=_OVERHEAD_SAMPLES))
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=_SCALE_SAMPLES))
 
     @property
     def seen(self) -> bool:
         return bool(self.samples)
 
     @property
-    def per_request(self) -> float:
-        return statistics.median(self.samples) if self.samples else 0.0
+    def factor(self) -> float:
+        return statistics.median(self.samples) if self.samples else 1.0
 
-    def add(self, measured: float, predicted: float, requests: int) -> None:
-        self.samples.append(max(0.0, measured - predicted) / max(1, requests))
-
-    def seconds(self, requests: int) -> float:
-        return self.per_request * requests
+    def add(self, measured: float, predicted: float) -> None:
+        self.samples.append(measured / max(predicted, 1e-9))
 
 
 @dataclass
@@ -155,7 +153,7 @@ class RecentSpeculation:
 
 @dataclass
 class SpecPolicy:
-    """The adaptive policy's state: calibrations, measured step overheads, and when to probe
+    """The adaptive policy's state: calibrations, measured step-time corrections, and when to probe
     speculation again after a step where drafting did not pay for itself."""
 
     cost: CostModel
@@ -164,22 +162,30 @@ class SpecPolicy:
     requests: dict[int, Calibration] = field(default_factory=dict)
     backoff: int = 0
     plain_steps_left: int = 0
-    plain_overhead: StepOverhead = field(default_factory=StepOverhead)
-    spec_overhead: StepOverhead = field(default_factory=StepOverhead)
+    plain_scale: StepScale = field(default_factory=StepScale)
+    spec_scale: StepScale = field(default_factory=StepScale)
     recent: RecentSpeculation = field(default_factory=RecentSpeculation)
     gated_steps: int = 0  # plain steps in a row that the forecast chose without a probe
+    spec_steps: int = 0  # speculative steps since the last plain one
     predicted_s: float = 0.0  # forward seconds the last choice expects (draft + verify)
 
     def should_draft(self, requests: int) -> bool:
         """False (the step runs plain) while the last probe said plain decoding is faster, or
-        when the forecast from recent speculative steps (their accepted and verified drafts,
-        and the measured per-request overheads, at this batch size) says a draft cannot pay
-        for itself; one real probe every _FORCED_PROBE such steps keeps the forecast fresh."""
+        when the forecast from recent speculative steps (their accepted and verified drafts
+        and measured step times, at this batch size) says a draft cannot pay for itself; one
+        real probe every _FORCED_PROBE such steps keeps the forecast fresh. Once speculative
+        steps are being measured, plain steps are too: one before the first comparison and
+        one every _PLAIN_PROBE speculative steps."""
         if self.plain_steps_left > 0:
             self.plain_steps_left -= 1
             return False
+        if self.spec_scale.seen and (not self.plain_scale.seen
+                                     or self.spec_steps >= _PLAIN_PROBE):
+            self.spec_steps = 0
+            return False
         if self.forecast_pays(requests) or self.gated_steps >= _FORCED_PROBE:
             self.gated_steps = 0
+            self.spec_steps += 1
             return True
         self.gated_steps += 1
         return False
@@ -187,14 +193,17 @@ class SpecPolicy:
     def forecast_pays(self, requests: int) -> bool:
         """Whether a speculative step of `requests` is expected to commit tokens faster than
         a plain one, judged before drafting from recent speculative steps (True until there
-        are some, and until a speculative step's overhead has been measured)."""
-        if not (self.recent.seen and self.spec_overhead.seen):
+        are some, and until a speculative step has been timed)."""
+        if not (self.recent.seen and self.spec_scale.seen):
             return True
         n, r = requests, self.recent
-        spec_s = (self.cost.draft_s(n) + self.cost.target_s(round(n * (1 + r.verified)))
-                  + self.spec_overhead.seconds(n))
-        plain_s = self.cost.target_s(n) + self.plain_overhead.seconds(n)
-        return n * (1 + r.accepted) / spec_s >= n / plain_s
+        spec_s = self.spec_scale.factor * (
+            self.cost.draft_s(n) + self.cost.target_s(round(n * (1 + r.verified))))
+        return n * (1 + r.accepted) / spec_s >= n / self.plain_s(n)
+
+    def plain_s(self, requests: int) -> float:
+        """Expected seconds of a plain decode step of `requests`."""
+        return self.plain_scale.factor * self.cost.target_s(requests)
 
     def scale(self, seq_id: int) -> float:
         """Accepted per predicted draft for this request, shrunk towards the batch's ratio."""
@@ -207,9 +216,9 @@ class SpecPolicy:
         drafter path probabilities over the nodes of budget levels[j]."""
         gains = [[g * self.scale(s) for g in row] for s, row in zip(seq_ids, raw_gains)]
         n = len(seq_ids)
-        fixed = self.cost.draft_s(n) + self.spec_overhead.seconds(n)
-        picks, value = choose_budgets(gains, self.levels, self.cost, fixed)
-        plain_value = n / (self.cost.target_s(n) + self.plain_overhead.seconds(n))
+        picks, value = choose_budgets(gains, self.levels, self.cost, self.cost.draft_s(n))
+        value /= self.spec_scale.factor
+        plain_value = n / self.plain_s(n)
         tokens = n + sum(self.levels[j] for j in picks)
         self.predicted_s = self.cost.draft_s(n) + self.cost.target_s(tokens)
         if value < plain_value:  # drafting did not pay: plain steps, then probe again
@@ -220,11 +229,12 @@ class SpecPolicy:
         return [self.levels[j] for j in picks]
 
     def observe_step(self, speculative: bool, requests: int, seconds: float) -> None:
-        """A decode step of `requests` took `seconds` of wall time: learn its overhead."""
+        """A decode step of `requests` took `seconds` of wall time: learn how far the profile
+        is from it."""
         if speculative:
-            self.spec_overhead.add(seconds, self.predicted_s, requests)
+            self.spec_scale.add(seconds, self.predicted_s)
         else:
-            self.plain_overhead.add(seconds, self.cost.target_s(requests), requests)
+            self.plain_scale.add(seconds, self.cost.target_s(requests))
 
     def observe_speculation(self, requests: int, verified: int, accepted: int) -> None:
         """A speculative step verified `verified` and accepted `accepted` drafts over

@@ -194,30 +194,43 @@ def test_seeded_sampling_with_speculation_returns_plain_samples(small_pair, spec
     assert sum(llm.engine.speculative.stats.accepted_per_pos) > 0  # drafts were accepted
 
 
-def test_measured_step_overheads_enter_the_choice():
-    """A speculative step that costs a second more than its forwards (host work the profile
-    does not see) makes plain decoding the better choice for the same gains."""
+def test_measured_step_times_enter_the_choice():
+    """A speculative step that takes far longer than its profiled forwards (host work the
+    profile does not see) makes plain decoding the better choice for the same gains; a plain
+    step is measured before speculation and plain are compared."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     gains = [_chain_gains(0.7)] * 4
     assert max(policy.choose(list(range(4)), gains)) > 0 and policy.backoff == 0
-    policy.observe_step(True, 4, policy.predicted_s + 1.0)
+    policy.observe_step(True, 4, policy.predicted_s * 5)
+    assert policy.spec_scale.factor == pytest.approx(5.0)
+    assert not policy.should_draft(4)  # plain steps not measured yet: one is
     policy.observe_step(False, 4, policy.cost.target_s(4))
-    assert policy.spec_overhead.seconds(4) == pytest.approx(1.0)
-    assert policy.spec_overhead.seconds(8) == pytest.approx(2.0)  # host work per request
-    assert policy.plain_overhead.seconds(4) == pytest.approx(0.0)
+    assert policy.plain_scale.factor == pytest.approx(1.0)
     policy.choose(list(range(4)), gains)
     assert policy.backoff == 1 and not policy.should_draft(4)
 
 
+def test_a_profile_taken_on_a_busy_machine_is_corrected_by_measured_steps():
+    """The cached profile says plain steps take 3x what they take now, and speculative steps
+    what they take: measured plain steps make plain decoding win again."""
+    policy = SpecPolicy(_cost(per_token=1e-3, base=0.03, draft=0.01), LEVELS)
+    gains = [_chain_gains(0.5)]
+    assert max(policy.choose([0], gains)) > 0
+    policy.observe_step(True, 1, policy.predicted_s)
+    policy.observe_step(False, 1, policy.cost.target_s(1) / 3)
+    policy.choose([0], gains)
+    assert policy.backoff == 1
+
+
 def test_forecast_skips_drafting_where_recent_steps_did_not_pay():
-    """Once speculative steps have been measured, a batch size where their per-request
-    overhead outweighs what they commit runs plain without drafting (no costly probe), a small
-    batch still drafts, and a real probe comes after _FORCED_PROBE forecast-plain steps."""
+    """Once speculative steps have been timed, a batch size where verifying their budgets
+    costs more than they commit runs plain without drafting (no costly probe), a small batch
+    still drafts, and a real probe comes after _FORCED_PROBE forecast-plain steps."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     assert policy.should_draft(256)  # nothing measured yet: probe
     policy.observe_speculation(requests=8, verified=32, accepted=8)  # 4 verified, 1 accepted
     policy.predicted_s = policy.cost.draft_s(8) + policy.cost.target_s(40)
-    policy.observe_step(True, 8, policy.predicted_s + 8 * 0.002)  # 2 ms host work a request
+    policy.observe_step(True, 8, policy.predicted_s * 1.2)
     policy.observe_step(False, 8, policy.cost.target_s(8))
     assert policy.forecast_pays(1) and not policy.forecast_pays(256)
     assert policy.should_draft(1)
@@ -225,6 +238,21 @@ def test_forecast_skips_drafting_where_recent_steps_did_not_pay():
     while not policy.should_draft(256):
         plain += 1
     assert plain == _FORCED_PROBE
+
+
+def test_one_cold_step_does_not_hold_speculation_off():
+    """Step times are a median of recent steps: a first speculative step that took a second
+    longer (a cold start) stops counting once a few normal steps are measured."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    gains = [_chain_gains(0.7)] * 4
+    policy.choose(list(range(4)), gains)
+    policy.observe_step(True, 4, policy.predicted_s + 1.0)
+    for _ in range(2):
+        policy.observe_step(True, 4, policy.predicted_s)
+    policy.observe_step(False, 4, policy.cost.target_s(4))
+    assert policy.spec_scale.factor == pytest.approx(1.0)
+    policy.choose(list(range(4)), gains)
+    assert policy.backoff == 0
 
 
 def test_deferred_context_rows_reach_only_live_committed_positions(small_pair, tmp_path,
@@ -253,16 +281,3 @@ def test_deferred_context_rows_reach_only_live_committed_positions(small_pair, t
     proposer.flush({5, 6})
     assert injected == rows[:1]  # nothing is injected twice
 
-
-def test_one_cold_step_does_not_hold_speculation_off():
-    """The overhead is a median of recent steps: a first speculative step that took a second
-    longer (a cold start) stops counting once a few normal steps are measured."""
-    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
-    gains = [_chain_gains(0.7)] * 4
-    policy.choose(list(range(4)), gains)
-    policy.observe_step(True, 4, policy.predicted_s + 1.0)
-    for _ in range(2):
-        policy.observe_step(True, 4, policy.predicted_s)
-    assert policy.spec_overhead.seconds(4) == pytest.approx(0.0)
-    policy.choose(list(range(4)), gains)
-    assert policy.backoff == 0
