@@ -115,7 +115,7 @@ def test_bad_dataset_and_missing_draft_are_named(tmp_path):
     bad = run("--spec", "none", "--dataset", "nope")
     assert bad.returncode == 2 and "unknown dataset 'nope'" in bad.stderr
     assert "humaneval" in bad.stderr
-    nodraft = run("--spec", "none,ddtree")
+    nodraft = run("--model", str(tmp_path), "--spec", "none,ddtree")  # not the default model
     assert nodraft.returncode == 2 and "--draft" in nodraft.stderr
     empty = run("--spec", "none", "--num-prompts", "0")
     assert empty.returncode == 2 and "--num-prompts and --max-tokens must be >= 1" in empty.stderr
