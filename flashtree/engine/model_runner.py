@@ -65,14 +65,12 @@ class ModelRunner:
     def _replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The captured graph's outputs for `batch` (copies: the static outputs are overwritten
         by the next replay), or None when no graph holds it. Graphs gather the whole vocab."""
-        mode = graph_mode(batch) if self.graphs is not None else None
-        if mode is None:
+        if self.graphs is None or (mode := graph_mode(batch)) is None:
             return None
-        assert self.graphs is not None
-        num_seqs, tokens = batch.attn.num_seqs, batch.attn.max_query_len
-        if self.graphs.bucket(mode, num_seqs, tokens) is None:
+        key = self.graphs.bucket(mode, batch.attn.num_seqs, batch.attn.max_query_len)
+        if key is None:
             return None
-        logits, features = self.graphs.run(mode, num_seqs, tokens, graph_inputs(batch))
+        logits, features = self.graphs.replay(key, batch.attn.num_seqs, graph_inputs(batch))
         logits = logits[: batch.logit_rows.shape[0]].clone()
         if features is not None:
             features = features[: batch.input_ids.shape[0]].clone()

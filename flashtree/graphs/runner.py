@@ -106,6 +106,10 @@ class GraphRunner:
                 f"mode={mode.value} bucket=(batch {batch}, tokens {tokens}) field 'batch': "
                 f"no captured bucket holds it; captured (batch, tokens): {captured}"
             )
+        return self.replay(key, batch, inputs)
+
+    def replay(self, key: GraphKey, batch: int, inputs: Inputs) -> Any:
+        """`run` on a key from `bucket` (callers that fall back to eager when there is none)."""
         entry = self._entries[key]
         validate(key, batch, inputs, self.dims, self.device)
         if self.poison:

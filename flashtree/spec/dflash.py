@@ -111,14 +111,13 @@ class DFlashProposer:
             keep += range(start + 1, start + len(it.tokens))
             start += len(it.tokens)
         keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
-        max_block = max(b for *_, b in blocks)
-        if self.graphs is not None and self.graphs.bucket(GraphMode.DRAFT, len(items),
-                                                          max_block) is not None:
+        graphs = self.graphs
+        key = None if graphs is None else graphs.bucket(GraphMode.DRAFT, len(items),
+                                                         max(b for *_, b in blocks))
+        if graphs is not None and key is not None:
             # The graph gathers the whole vocab; its outputs are static buffers (copied here).
             batch = ForwardBatch.build(Mode.DRAFT, items, self.pages, self.device)
-            logits = self.graphs.run(GraphMode.DRAFT, len(items), max_block,
-                                     graph_inputs(batch))
-            return logits[keep_rows]
+            return graphs.replay(key, len(items), graph_inputs(batch))[keep_rows]
         batch = None
         for (causal, window), backend in self._backends.items():
             batch = ForwardBatch.build(
