@@ -18,6 +18,11 @@ class Mode(enum.Enum):
     VERIFY = "verify"  # a block of drafted tokens through the target
 
 
+def causal_mask(n: int, device: torch.device) -> torch.Tensor:
+    """A chain's ancestor-or-self visibility: [n, n] bool, lower triangular."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
 @dataclass(frozen=True)
 class BatchItem:
     """One request's slice of a forward: `tokens` at logical indices [start, start + len)."""
@@ -82,8 +87,8 @@ class ForwardBatch:
                 f"requests of {max_q} tokens"
             )
         elif any(it.visible is not None for it in items):
-            tril = torch.ones(max_q, max_q, dtype=torch.bool, device=device).tril()
-            new_token_mask = tril.repeat(len(items), 1, 1)  # [num_seqs, max_q, max_q]
+            # [num_seqs, max_q, max_q]
+            new_token_mask = causal_mask(max_q, device).repeat(len(items), 1, 1)
             for i, it in enumerate(items):
                 if it.visible is not None:
                     n = len(it.tokens)

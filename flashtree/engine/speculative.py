@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from flashtree.distributed.vocab import vocab_argmax, vocab_topk_logprobs
-from flashtree.engine.forward_batch import BatchItem, Mode
+from flashtree.engine.forward_batch import BatchItem, Mode, causal_mask
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.sequence import Sequence
 from flashtree.kv.cache import KVCache, PageTables
@@ -318,7 +318,7 @@ class SpeculativeDecoder:
         n, vocab = logits.shape
         visible = cand.visible
         if visible is None:  # a chain: each node's path is every node up to it
-            visible = torch.ones(n, n, dtype=torch.bool, device=logits.device).tril()
+            visible = causal_mask(n, logits.device)
         path_tokens = torch.tensor(cand.tokens[1:], dtype=torch.long, device=logits.device)
         one_hot = torch.nn.functional.one_hot(path_tokens, vocab).to(logits.dtype)  # [n-1, V]
         path_counts = visible[:, 1:].to(device=logits.device, dtype=logits.dtype) @ one_hot

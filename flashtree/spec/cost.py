@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from flashtree.engine.forward_batch import BatchItem, Mode
+from flashtree.engine.forward_batch import BatchItem, Mode, causal_mask
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.kv.cache import PageTables
 from flashtree.spec.dflash import DFlashProposer
@@ -98,7 +98,7 @@ def measure_cost_model(
             sizes = [min(_CHUNK, tokens - i * _CHUNK) for i in range(len(ids))]
             items = [BatchItem(s, 0, [0] * n, all_logits=True,
                                positions=list(range(n)) if tree else None,
-                               visible=_causal(n, device) if tree else None)
+                               visible=causal_mask(n, device) if tree else None)
                      for s, n in zip(ids, sizes)]
             seconds = _timed(lambda it=items: runner.forward(Mode.VERIFY, it), device)
             target.append((tokens, seconds))
@@ -112,11 +112,6 @@ def measure_cost_model(
     finally:
         _release(pages, scratch)
     return CostModel(tuple(target), tuple(draft))
-
-
-def _causal(n: int, device: torch.device) -> torch.Tensor:
-    """A chain's ancestor-or-self mask as a tree: [n, n] bool, lower triangular."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
 def _release(pages: PageTables, scratch: list[int]) -> None:
