@@ -24,10 +24,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="DDTree non-root nodes per step (default: block size - 1)")
     p.add_argument("--topk-cap", type=int, default=None,
                    help="DDTree: most children considered per node (speed only)")
-    _add_policy_arg(p)
+    _add_engine_args(p)
 
 
-def _add_policy_arg(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-policy", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive: per step and request, the draft budget that maximises "
                         "expected tokens/s (0 = plain decoding); fixed: always the full one")
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tree-budget", type=int, default=None)
     serve.add_argument("--topk-cap", type=int, default=None)
     serve.add_argument("--tree-sampling", default="match", choices=["match", "rrs"])
-    _add_policy_arg(serve)
+    _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     # imported (some test dependencies import it early).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.tiny import save_reference_drafter, save_tiny_llama
+from tests.tiny import save_reference_drafter, save_tiny_llama, save_tiny_qwen3
 
 # The models under test are tiny (or 135M parameters at most): one intra-op thread is faster
 # than two on a 2-core machine, and far faster when another process holds one of the cores.
@@ -55,3 +55,14 @@ def tiny_chat_model(tmp_path_factory):
     drafter = save_reference_drafter(tmp_path_factory.mktemp("tiny_drafter"), path,
                                      block_size=4)
     return path, drafter
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    """A tiny Qwen3 target over 5 tokens and a random reference drafter for it (block 8),
+    shared by the speculative-decoding tests."""
+    root = tmp_path_factory.mktemp("pair")
+    target = save_tiny_qwen3(root / "t", seed=5, vocab_size=5, initializer_range=0.3)
+    drafter = save_reference_drafter(root / "d", target, seed=7, block_size=8,
+                                     initializer_range=0.3)
+    return target, drafter

@@ -10,21 +10,12 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.graphs.schema import GraphMode
-from tests.tiny import TINY_PROMPTS, save_reference_drafter, save_tiny_qwen3
+from tests.tiny import TINY_PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # Five requests: decode replays the bucket of six, padded.
-PROMPTS = [*TINY_PROMPTS, [4, 1, 1, 3, 6, 5]]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine_graphs")
-    target = save_tiny_qwen3(root / "t", seed=5, vocab_size=7, initializer_range=0.3)
-    drafter = save_reference_drafter(root / "d", target, seed=7, block_size=8,
-                                     initializer_range=0.3)
-    return str(target), str(drafter)
+PROMPTS = [*TINY_PROMPTS, [4, 1, 1, 3, 2, 0]]
 
 
 def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
@@ -35,8 +26,8 @@ def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
                                          ("dflash", "adaptive"), ("ddtree", "fixed"),
                                          ("ddtree", "adaptive")])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_graph_engine_equals_eager_engine(pair, spec, policy, temperature):
-    target, drafter = pair
+def test_graph_engine_equals_eager_engine(small_pair, spec, policy, temperature):
+    target, drafter = map(str, small_pair)
     kw = dict(model=target, device="cuda", dtype="float32", skip_tokenizer_init=True,
               page_size=4, max_num_seqs=8, spec=spec, spec_policy=policy)
     if spec != "none":
