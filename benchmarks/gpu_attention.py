@@ -40,7 +40,7 @@ def build(mode: str, batch: int, context: int, tokens: int, args, rng: random.Ra
         visible = None
         if mode == "tree":
             parents = [0] + [rng.randrange(max(0, v - 4), v) for v in range(1, tokens)]
-            visible = ancestor_mask(torch.tensor([parents]), tokens)[0].cuda()
+            visible = ancestor_mask(torch.tensor([parents]))[0].cuda()
         items.append(BatchItem(i, context, [0] * tokens, visible=visible))
     fb = ForwardBatch.build(Mode.VERIFY, items, pages, torch.device("cuda"))
     dtype = getattr(torch, args.dtype)

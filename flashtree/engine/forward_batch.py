@@ -9,6 +9,7 @@ import torch
 
 from flashtree.attention.backend import AttentionMetadata
 from flashtree.kv.cache import PageTables
+from flashtree.transfer import lists_to_device
 
 
 class Mode(enum.Enum):
@@ -74,9 +75,6 @@ class ForwardBatch:
         width = max(len(t) for t in tables)
         kv_lens = [it.start + len(it.tokens) for it in items]
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
         max_q = max(len(it.tokens) for it in items)
         new_token_mask = None
         if all(it.visible is not None and len(it.tokens) == max_q for it in items):
@@ -98,15 +96,20 @@ class ForwardBatch:
                     )
                     new_token_mask[i, :n, :n] = it.visible
 
+        # One host-to-device copy for every integer field.
+        padded_tables = [p for t in tables for p in t + [0] * (width - len(t))]
+        (query_start, kv_lens_t, slot_mapping, page_tables, input_ids, positions_t,
+         logit_rows) = lists_to_device([starts, kv_lens, slots, padded_tables, ids, positions,
+                                        rows], device)
         attn = AttentionMetadata(
-            query_start=tensor(starts),
-            kv_lens=tensor(kv_lens),
-            slot_mapping=tensor(slots),
-            page_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
+            query_start=query_start,
+            kv_lens=kv_lens_t,
+            slot_mapping=slot_mapping,
+            page_tables=page_tables.view(len(items), width),
             max_query_len=max_q,
             max_kv_len=max(kv_lens),
             new_token_mask=new_token_mask,
             causal=causal,
             sliding_window=sliding_window,
         )
-        return ForwardBatch(mode, tensor(ids), tensor(positions), attn, tensor(rows))
+        return ForwardBatch(mode, input_ids, positions_t, attn, logit_rows)

@@ -206,23 +206,26 @@ class LLMEngine:
         if self.speculative is None or not chunks[0].decode:
             return self._plain_step(chunks)
         speculate = self.speculative.wants_draft(len(chunks))
+        captures = self.speculative.graph_captures
         start = time.perf_counter()
         if speculate:
             done = self._speculative_step(chunks)
         else:
             self.speculative.stats.record_budget(0, len(chunks))  # the policy chose plain
-            done = self._plain_step(chunks, defer_injection=True)
+            done = self._plain_step(chunks)
         policy = self.speculative.policy
         # Wall times differ between TP ranks, whose choices must agree: TP uses the profile.
-        if policy is not None and get_tp_size() == 1:
+        # A step that captured a graph on first use is not what later steps cost.
+        if (policy is not None and get_tp_size() == 1
+                and self.speculative.graph_captures == captures):
             policy.observe_step(speculate, len(chunks), time.perf_counter() - start)
         return done
 
-    def _plain_step(self, chunks: list[ScheduledChunk], defer_injection: bool = False
-                    ) -> list[Sequence]:
+    def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
         """Prefill chunks or one plain decode token per request. With a drafter, the new
-        tokens' context features go to the draft KV cache now, or (`defer_injection`, a plain
-        step the policy chose) together before the next draft."""
+        tokens' context features are held and reach the draft KV cache together before the
+        next draft (after the first token of a prompt, and not at all while the policy
+        decodes plain)."""
         mode = Mode.DECODE if chunks[0].decode else Mode.PREFILL
         items = [
             BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
@@ -241,10 +244,7 @@ class LLMEngine:
                 injected.append(ContextRows(c.seq.seq_id, c.start, features[row : row + c.count]))
             row += c.count
         if self.proposer is not None:
-            if defer_injection:
-                self.proposer.defer(injected)
-            else:
-                self.proposer.inject(injected)
+            self.proposer.defer(injected)
         if not sampling:
             tokens = []
         elif all_greedy:  # one device sync for the batch

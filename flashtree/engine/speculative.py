@@ -15,6 +15,7 @@ from flashtree.distributed.vocab import vocab_argmax, vocab_topk_logprobs
 from flashtree.engine.forward_batch import BatchItem, Mode, causal_mask
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.sequence import Sequence
+from flashtree.graphs.rows import RowGraphs
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.sampling import inverse_cdf, penalize_rows, probabilities, uniform
 from flashtree.spec.dflash import ContextRows, DFlashProposer
@@ -22,12 +23,15 @@ from flashtree.spec.policy import SpecPolicy
 from flashtree.spec.rrs import GeneratorDraws, sample_spine_tree, walk_rrs
 from flashtree.spec.stats import SpecStats
 from flashtree.spec.tree import (
+    BestFirstLevels,
     ancestor_mask,
+    best_first_levels,
     best_path_logprobs,
-    build_trees_from_topk,
     topk_logprobs,
+    tree_from_levels,
 )
 from flashtree.spec.verify import Candidates, greedy_walk, walk
+from flashtree.transfer import lists_to_device, to_device
 
 TREE_SAMPLING_MODES = ("match", "rrs")
 
@@ -72,6 +76,20 @@ class _Planned:
     predicted: float | None = None  # the policy's raw expected accepted drafts (adaptive)
 
 
+def _levels(top_lp: torch.Tensor, *, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """best_first_levels as RowGraphs replays it: [R, L, K] -> keys, flat [R, L, width]."""
+    levels = best_first_levels(top_lp, width)
+    return levels.keys, levels.flat
+
+
+def _tree_nodes(keys: torch.Tensor, flat: torch.Tensor, top_tok: torch.Tensor,
+                roots: torch.Tensor, *, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The budget's trees as RowGraphs replays them: ([R, 3, N] tokens, parents and depths,
+    [R, N, N] visibility)."""
+    trees = tree_from_levels(BestFirstLevels(keys, flat), top_tok, roots, budget)
+    return torch.stack([trees.tokens, trees.parent, trees.depth], dim=1), trees.visible
+
+
 class SpeculativeDecoder:
     def __init__(
         self, cfg: SpecConfig, proposer: DFlashProposer, runner: ModelRunner, cache: KVCache,
@@ -83,6 +101,17 @@ class SpeculativeDecoder:
         lm_head = runner.model.lm_head
         self._vocab_start, self._vocab_size = lm_head.vocab_start, lm_head.vocab_size
         self.stats = SpecStats()
+        # DDTree candidates replay CUDA graphs (per batch bucket) where the target does.
+        graphs = runner.graphs
+        buckets = graphs.batch_buckets if graphs is not None else []
+        use_graphs = graphs is not None and graphs.use_cuda_graphs
+        self._tree_levels = RowGraphs(_levels, buckets, runner.device, use_graphs)
+        self._tree_nodes = RowGraphs(_tree_nodes, buckets, runner.device, use_graphs)
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured on first use so far (by the DDTree candidate build)."""
+        return self._tree_levels.captures + self._tree_nodes.captures
 
     def wants_draft(self, requests: int) -> bool:
         """Whether a decode step of `requests` speculates (the adaptive policy may run it
@@ -128,7 +157,7 @@ class SpeculativeDecoder:
         # The accepted nodes' KV moves to logical indices start.., the rest is dropped: one
         # batched move, and one gather of their features for the draft KV.
         self.pages.keep(self.cache, kept)
-        kept_features = features[torch.tensor(kept_rows, device=features.device)]
+        kept_features = features[to_device(kept_rows, features.device)]
         injected = []
         for seq, (seq_id, start, path), rows_of_seq in zip(
                 seqs, kept, kept_features.split([len(path) for *_, path in kept])):
@@ -223,15 +252,19 @@ class SpeculativeDecoder:
         budget the policy picks from the trees' own path probabilities."""
         cfg = self.cfg
         stacked = torch.stack([rows[seqs[i].seq_id] for i in trees])
-        roots = torch.tensor([seqs[i].output_ids[-1] for i in trees])
+        root_ids = [seqs[i].output_ids[-1] for i in trees]
+        roots = to_device(root_ids, stacked.device)
         k = min(cfg.tree_budget, self._vocab_size, cfg.topk_cap or self._vocab_size)
-        top_lp, top_tok = self._top_logprobs(stacked, k, full)
+        top_lp, top_tok = self._top_logprobs(stacked, k, full)  # [R, L, k] each
+        # The best-first levels at the full budget serve every smaller budget below.
+        keys, flat = self._tree_levels(top_lp, width=cfg.tree_budget)
         budgets = [cfg.tree_budget] * len(trees)
         predicted: list[float | None] = [None] * len(trees)
         if self.policy is not None:
             ids = [seqs[i].seq_id for i in trees]
             # Expected accepted drafts of the best b nodes: the sum of their path probabilities.
-            best = best_path_logprobs(top_lp, cfg.tree_budget).exp().cumsum(1)  # [R, budget]
+            best = best_path_logprobs(BestFirstLevels(keys, flat), cfg.tree_budget)
+            best = best.exp().cumsum(1)  # [R, budget]
             best = torch.cat([best.new_zeros(len(trees), 1), best], dim=1).tolist()
             gains = [[row[min(b, len(row) - 1)] for b in self.policy.levels] for row in best]
             budgets = self.policy.choose(ids, gains)
@@ -240,18 +273,18 @@ class SpeculativeDecoder:
             group = [j for j, b in enumerate(budgets) if b == budget]
             if budget == 0:
                 for j in group:
-                    plans[trees[j]] = _Planned(Candidates.chain(int(roots[j]), []), [0], None,
+                    plans[trees[j]] = _Planned(Candidates.chain(root_ids[j], []), [0], None,
                                                predicted[j])
                 continue
-            built = build_trees_from_topk(top_lp[group], top_tok[group], roots[group], budget)
-            # [3, R, N] -> one device sync for the group's tokens, parents and depths
-            tokens, parents, depths = torch.stack([built.tokens, built.parent,
-                                                   built.depth]).tolist()
-            for g, j in enumerate(group):
+            index = group if len(group) < len(trees) else slice(None)
+            nodes, visible = self._tree_nodes(keys[index], flat[index], top_tok[index],
+                                              roots[index], budget=budget)
+            # [R, 3, N] tokens, parents, depths -> one device sync for the group
+            for g, (j, (tokens, parents, depths)) in enumerate(zip(group, nodes.tolist())):
                 i = trees[j]
-                cand = Candidates.tree(tokens[g], parents[g], depths[g], seqs[i].num_computed,
-                                       built.visible[g])
-                plans[i] = _Planned(cand, depths[g], None, predicted[j])
+                cand = Candidates.tree(tokens, parents, depths, seqs[i].num_computed,
+                                       visible[g])
+                plans[i] = _Planned(cand, depths, None, predicted[j])
 
     def _top_logprobs(self, logits: torch.Tensor, k: int, full: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +310,7 @@ class SpeculativeDecoder:
         if self.cfg.method == "dflash":
             cand = Candidates.chain(tokens[0], tokens[1:])
         else:
-            visible = ancestor_mask(torch.tensor([parents]), depth)[0].to(q.device)
+            visible = ancestor_mask(torch.tensor([parents]))[0].to(q.device)
             cand = Candidates.tree(tokens, parents, depths, seq.num_computed, visible)
         return _Planned(cand, depths, q[:depth])
 
@@ -293,16 +326,17 @@ class SpeculativeDecoder:
         for size in sizes:
             starts.append(starts[-1] + size)
 
-        def padded(rows: list[list[int]]) -> torch.Tensor:  # [R, n]
-            return torch.tensor([r + [0] * (n - len(r)) for r in rows], device=device)
+        def padded(rows: list[list[int]]) -> list[int]:  # [R * n], row-major
+            return [v for r in rows for v in r + [0] * (n - len(r))]
 
         # Padding nodes read any real row of their request: they are never accepted.
-        rows = padded([[s + min(v, size - 1) for v in range(n)]
-                       for s, size in zip(starts, sizes)])
+        rows, tokens, parents, num_nodes = lists_to_device([
+            padded([[s + min(v, size - 1) for v in range(n)] for s, size in zip(starts, sizes)]),
+            padded([p.cand.tokens for p in plans]), padded([p.cand.parents for p in plans]),
+            sizes], device)
         argmax = vocab_argmax(logits, self._vocab_start)  # [sum(sizes)]
-        w = greedy_walk(padded([p.cand.tokens for p in plans]),
-                        padded([p.cand.parents for p in plans]),
-                        torch.tensor(sizes, device=device), argmax[rows])
+        w = greedy_walk(tokens.view(-1, n), parents.view(-1, n), num_nodes,
+                        argmax[rows.view(-1, n)])
         result = torch.cat([w.num_accepted[:, None], w.bonus[:, None], w.path], 1).tolist()
         walks = []
         for plan, (count, bonus, *path) in zip(plans, result):

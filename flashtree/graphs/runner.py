@@ -123,15 +123,24 @@ class GraphRunner:
 
     def _capture(self, key: GraphKey, static: dict[str, torch.Tensor]
                  ) -> tuple[torch.cuda.CUDAGraph, Any]:
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compile kernels, create library handles: not in the capture
-                self.forward(key, static)
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self.forward(key, static)
+        graph, outputs = capture_graph(lambda: self.forward(key, static), self.device,
+                                       self._pool)
         self._pool = graph.pool()
         return graph, outputs
+
+
+def capture_graph(fn: Callable[[], Any], device: torch.device, pool=None
+                  ) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture `fn()` (which reads and writes only static tensors) after two warm-up calls on a
+    side stream (kernel compilation and library handles stay out of the graph)."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from flashtree.transfer import lists_to_device
+
 
 class OutOfPages(RuntimeError):
     """Raised when an allocation needs more pages than the pool has free."""
@@ -127,7 +129,6 @@ class PageTables:
                     src.append(table[(start + o) // p] * p + (start + o) % p)
                     dst.append(table[(start + j) // p] * p + (start + j) % p)
         if src:
-            device = cache.k.device
-            cache.move(torch.tensor(src, device=device), torch.tensor(dst, device=device))
+            cache.move(*lists_to_device([src, dst], cache.k.device))
         for seq_id, start, offsets in kept:
             self.set_length(seq_id, start + len(offsets))

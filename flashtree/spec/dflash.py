@@ -13,11 +13,16 @@ import torch
 from flashtree.attention import make_backend
 from flashtree.engine.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.graphs.forward import DraftForward, graph_inputs
-from flashtree.graphs.runner import GraphRunner
+from flashtree.graphs.rows import RowGraphs
+from flashtree.graphs.runner import GraphRunner, batch_buckets
 from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
+from flashtree.transfer import lists_to_device, to_device
+
+_GRAPH_CONTEXT_ROWS = 2048  # context rows per injection that replay a captured graph at most
+_MAX_DEFERRED_ROWS = 16384  # context rows held for the next draft before injecting them anyway
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,13 @@ class DFlashProposer:
         self._layer_backends = [
             self._backends[kind] for kind in zip(cfg.layer_causal, cfg.layer_windows)
         ]
-        # Context rows of steps that ran plain decoding, injected together before the next
-        # draft (the drafter reads nothing in between): seq_id -> rows in commit order.
+        # Context rows of prefill chunks and of steps that ran plain decoding, injected
+        # together before the next draft (the drafter reads nothing in between): seq_id ->
+        # rows in commit order.
         self._deferred: dict[int, list[ContextRows]] = {}
+        self._deferred_rows = 0
         self.graphs: GraphRunner | None = None
+        self._context_writer: RowGraphs | None = None
 
     def capture_graphs(self, dims: GraphDims, buckets: list[int], block_size: int,
                        max_rows: int) -> None:
@@ -65,10 +73,28 @@ class DFlashProposer:
         forward = DraftForward(self.draft, self.target, self._backends)
         self.graphs = GraphRunner(forward, dims, self.device, buckets)
         self.graphs.capture(GraphMode.DRAFT, block_size, max_rows)
+        # Injections of up to _GRAPH_CONTEXT_ROWS context rows (a step's accepted tokens;
+        # longer prompt chunks run eagerly) replay graphs too, captured here for every row
+        # bucket; padding rows write to the scratch slot.
+        writer = RowGraphs(self._write_context, batch_buckets(min(max_rows, _GRAPH_CONTEXT_ROWS)),
+                           self.device, self.graphs.use_cuda_graphs,
+                           pads=(None, 0, dims.scratch_slot))
+        width = self.draft.fc.weight.shape[1]  # the concatenated target-layer features
+        with torch.inference_mode():
+            for rows in writer.buckets:
+                writer(torch.zeros(rows, width, dtype=self.cache.k.dtype, device=self.device),
+                       torch.zeros(rows, dtype=torch.long, device=self.device),
+                       torch.full((rows,), dims.scratch_slot, device=self.device))
+        self._context_writer = writer
 
     def defer(self, rows: list[ContextRows]) -> None:
+        """Keep rows for the next flush; past _MAX_DEFERRED_ROWS (long runs of plain steps)
+        inject them all now instead, so that held features stay bounded."""
         for r in rows:
             self._deferred.setdefault(r.seq_id, []).append(r)
+        self._deferred_rows += sum(r.features.shape[0] for r in rows)
+        if self._deferred_rows > _MAX_DEFERRED_ROWS:
+            self.flush(set(self._deferred))
 
     def flush(self, live: set[int]) -> None:
         """Inject the deferred rows of the `live` requests in one batch; drop the rest (their
@@ -76,6 +102,7 @@ class DFlashProposer:
         rows = [r for seq_id in live for r in self._deferred.get(seq_id, ())
                 if r.start + r.features.shape[0] <= self.pages.lengths.get(seq_id, 0)]
         self._deferred.clear()
+        self._deferred_rows = 0
         self.inject(rows)
 
     @torch.inference_mode()
@@ -84,15 +111,21 @@ class DFlashProposer:
         if not rows:
             return
         features = torch.cat([r.features for r in rows])
-        positions = torch.cat([
-            torch.arange(r.start, r.start + r.features.shape[0], device=self.device) for r in rows
-        ])
-        slots = torch.tensor(
+        positions, slots = lists_to_device([
+            [p for r in rows for p in range(r.start, r.start + r.features.shape[0])],
             [s for r in rows for s in self.pages.slots(r.seq_id, r.start, r.features.shape[0])],
-            dtype=torch.long, device=self.device,
-        )
+        ], self.device)
+        if self._context_writer is not None:
+            self._context_writer(features, positions, slots)
+        else:
+            self._write_context(features, positions, slots)
+
+    def _write_context(self, features: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor) -> tuple[()]:
+        """features [n, F], positions [n], slots [n] -> the n rows' K/V in every draft layer."""
         for layer, (k, v) in enumerate(self.draft.context_kv(features, positions)):
             self.cache.write(layer, slots, k, v)
+        return ()
 
     @torch.inference_mode()
     def draft_logits(self, blocks: list[tuple[int, int, int, int]], gather: bool = True
@@ -110,7 +143,7 @@ class DFlashProposer:
         for it in items:
             keep += range(start + 1, start + len(it.tokens))
             start += len(it.tokens)
-        keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+        keep_rows = to_device(keep, self.device)
         graphs = self.graphs
         key = None if graphs is None else graphs.bucket(GraphMode.DRAFT, len(items),
                                                          max(b for *_, b in blocks))

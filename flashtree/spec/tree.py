@@ -51,86 +51,98 @@ def build_trees_from_topk(
 ) -> DraftTrees:
     """top_lp, top_tok: [R, L, K] the K most likely tokens of each depth and their
     log-probabilities, sorted descending (`topk_logprobs`, or its TP-sharded twin)."""
-    assert budget >= 1, f"budget must be >= 1, got {budget}"
-    r, depth_max, k = top_lp.shape
-    device = top_lp.device
-
-    keys, flat = _best_first_levels(top_lp, budget)
-    tokens, parents, depths = [], [], []
-    offset_prev = 0  # index of the previous level's first entry in the concatenation
-    offset = 0
-    for d, idx in enumerate(flat):
-        tokens.append(top_tok[:, d].gather(1, idx % k))
-        # Parent as an index into the concatenation of all levels; -1 marks the root.
-        parents.append(idx // k + offset_prev if d > 0 else torch.full_like(idx, -1))
-        depths.append(torch.full_like(idx, d + 1))
-        offset_prev, offset = offset, offset + idx.shape[1]
-    all_keys = torch.cat(keys, dim=1)  # [R, total]
-    total = all_keys.shape[1]
-    n_sel = min(budget, total)
-    chosen = all_keys.topk(n_sel, dim=-1).indices  # [R, n_sel]
-    selected = torch.zeros(r, total, dtype=torch.bool, device=device)
-    selected.scatter_(1, chosen, True)
-    # Node index of each selected entry: its rank in concatenation (depth-major) order.
-    node_of = torch.cumsum(selected.long(), dim=1) * selected  # [R, total], 0 = not selected
-    order = torch.sort(torch.where(selected, torch.arange(total, device=device), total),
-                       dim=1).indices[:, :n_sel]  # concatenation index of node 1..n_sel
-
-    all_tokens = torch.cat(tokens, dim=1).gather(1, order)
-    all_depths = torch.cat(depths, dim=1).gather(1, order)
-    parent_entry = torch.cat(parents, dim=1).gather(1, order)
-    parent_node = torch.where(
-        parent_entry < 0, 0, node_of.gather(1, parent_entry.clamp(min=0))
-    )
-    assert bool((parent_node < torch.arange(1, n_sel + 1, device=device)).all()), (
-        "tree is not topological / prefix-closed"
-    )
-    n = n_sel + 1
-    zero = torch.zeros(r, 1, dtype=torch.long, device=device)
-    tree_tokens = torch.cat([roots.to(device).long()[:, None], all_tokens], dim=1)
-    depth = torch.cat([zero, all_depths], dim=1)
-    parent = torch.cat([zero, parent_node], dim=1)
-    return DraftTrees(
-        tokens=tree_tokens,
-        depth=depth,
-        parent=parent,
-        num_nodes=torch.full((r,), n, dtype=torch.long, device=device),
-        visible=ancestor_mask(parent, int(depth.max())),
-    )
+    return tree_from_levels(best_first_levels(top_lp, budget), top_tok, roots, budget)
 
 
-def _best_first_levels(
-    top_lp: torch.Tensor, budget: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per depth d, the keys (path log-probability, minus the depth tie-break) of the best
-    `budget` prefixes of length d + 1, sorted descending [R, keep_d], and their flat indices
-    parent_rank * K + k into the previous level's kept prefixes times the K tokens."""
+@dataclass
+class BestFirstLevels:
+    """Per depth d, the keys (path log-probability, minus the depth tie-break) of the best W
+    prefixes of length d + 1, sorted descending, and their flat indices parent_rank * K + k
+    into the previous depth's kept prefixes times the K tokens. Where fewer than W prefixes
+    exist (shallow depths when K < W), the rest are padding with key -inf. The trees of every
+    budget b <= W select from these (their nodes at any depth are among its best b)."""
+
+    keys: torch.Tensor  # [R, L, W] float64
+    flat: torch.Tensor  # [R, L, W] int64
+
+
+def best_first_levels(top_lp: torch.Tensor, width: int) -> BestFirstLevels:
+    """top_lp: [R, L, K] (as `build_trees_from_topk` takes) -> the best `width` prefixes per
+    depth; L tensor steps, no host sync."""
     r, depth_max, k = top_lp.shape
     keys, flat = [], []
     prev = torch.zeros(r, 1, dtype=torch.float64, device=top_lp.device)  # root key
     for d in range(depth_max):
-        cand = prev[:, :, None] + top_lp[:, d, None, :] - _DEPTH_TIEBREAK  # [R, P, K]
-        key, idx = cand.flatten(1).topk(min(budget, cand.shape[1] * k), dim=-1)
+        cand = (prev[:, :, None] + top_lp[:, d, None, :] - _DEPTH_TIEBREAK).flatten(1)  # [R, P*K]
+        if cand.shape[1] < width:
+            cand = torch.nn.functional.pad(cand, (0, width - cand.shape[1]), value=-torch.inf)
+        key, idx = cand.topk(width, dim=-1)
         keys.append(key)
         flat.append(idx)
         prev = key
-    return keys, flat
+    return BestFirstLevels(torch.stack(keys, 1), torch.stack(flat, 1))
 
 
-def best_path_logprobs(top_lp: torch.Tensor, budget: int) -> torch.Tensor:
-    """[R, L, K] (as `build_trees_from_topk` takes) -> [R, budget] the path log-probabilities
-    of the nodes a tree of `budget` selects, best first (-inf where it has fewer): the first b
-    of them are the tree of budget b."""
-    keys = torch.cat(_best_first_levels(top_lp, budget)[0], dim=1)  # [R, total]
-    best = keys.topk(min(budget, keys.shape[1]), dim=-1).values
-    return torch.nn.functional.pad(best, (0, budget - best.shape[1]), value=-torch.inf)
+def _real_entries(depth: int, k: int, width: int) -> int:
+    """Prefixes that exist among the levels' entries: min(W, K^(d+1)) at depth index d."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level = min(width, level * k)
+        total += level
+    return total
 
 
-def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """parent: [R, N] (root at 0 points to itself) -> [R, N, N] bool, row a = {a} + ancestors."""
+def tree_from_levels(levels: BestFirstLevels, top_tok: torch.Tensor, roots: torch.Tensor,
+                     budget: int) -> DraftTrees:
+    """The best-first tree of `budget` non-root nodes (fewer where fewer prefixes exist) from
+    levels of width >= budget; nodes in depth-major order. Tensor ops only (no host sync)."""
+    assert budget >= 1, f"budget must be >= 1, got {budget}"
+    r, depth_max, width = levels.keys.shape
+    assert width >= budget, f"levels of width {width} cannot give a tree of {budget} nodes"
+    k = top_tok.shape[-1]
+    device = levels.keys.device
+    total = depth_max * width
+    n_sel = min(budget, _real_entries(depth_max, k, width))
+    chosen = levels.keys.flatten(1).topk(n_sel, dim=-1).indices  # [R, n_sel]
+    selected = torch.zeros(r, total, dtype=torch.bool, device=device)
+    selected.scatter_(1, chosen, True)
+    # Node index of each selected entry: its rank in depth-major entry order.
+    node_of = torch.cumsum(selected.long(), dim=1) * selected  # [R, total], 0 = not selected
+    entry = torch.arange(total, device=device)
+    order = torch.sort(torch.where(selected, entry, total), dim=1).indices[:, :n_sel]
+    depth_of = entry // width  # [total]: entry e sits at depth index e // W
+    tokens = top_tok.gather(2, levels.flat % k).flatten(1)  # [R, total]
+    # Parent as an entry index of the previous depth; -1 marks the root's children.
+    parent_entry = torch.where(depth_of == 0, -1,
+                               (levels.flat // k).flatten(1) + (depth_of - 1) * width)
+    parent_entry = parent_entry.gather(1, order)
+    parent_node = torch.where(parent_entry < 0, 0,
+                              node_of.gather(1, parent_entry.clamp(min=0)))
+    zero = torch.zeros(r, 1, dtype=torch.long, device=device)
+    parent = torch.cat([zero, parent_node], dim=1)
+    return DraftTrees(
+        tokens=torch.cat([roots.to(device).long()[:, None], tokens.gather(1, order)], dim=1),
+        depth=torch.cat([zero, (depth_of + 1)[order]], dim=1),
+        parent=parent,
+        num_nodes=torch.full((r,), n_sel + 1, dtype=torch.long, device=device),
+        visible=ancestor_mask(parent),
+    )
+
+
+def best_path_logprobs(levels: BestFirstLevels, budget: int) -> torch.Tensor:
+    """[R, budget] the path log-probabilities of the nodes a tree of `budget` selects, best
+    first (-inf where it has fewer): the first b of them are the tree of budget b."""
+    return levels.keys.flatten(1).topk(budget, dim=-1).values
+
+
+def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
+    """parent: [R, N] (root at 0 points to itself) -> [R, N, N] bool, row a = {a} + ancestors.
+    Pointer doubling: after step i, rows hold the ancestors closer than 2^i and `jump` points
+    2^i up; ceil(log2 N) steps cover any depth without reading the tree on the host."""
     r, n = parent.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parent.device).expand(r, n, n)
-    visible = eye.clone()
-    for _ in range(max_depth):
-        visible = eye | torch.gather(visible, 1, parent[:, :, None].expand(r, n, n))
+    visible = torch.eye(n, dtype=torch.bool, device=parent.device).expand(r, n, n).clone()
+    jump = parent
+    for _ in range(max(1, (n - 1).bit_length())):
+        visible = visible | torch.gather(visible, 1, jump[:, :, None].expand(r, n, n))
+        jump = torch.gather(jump, 1, jump)
     return visible

@@ -32,7 +32,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 def random_tree(rng: random.Random, n: int) -> torch.Tensor:
     """[n, n] ancestor-or-self mask of a random topological tree (parent[i] < i)."""
     parents = [0] + [rng.randrange(i) for i in range(1, n)]
-    return ancestor_mask(torch.tensor([parents]), n)[0]
+    return ancestor_mask(torch.tensor([parents]))[0]
 
 
 @dataclass

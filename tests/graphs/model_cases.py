@@ -72,7 +72,7 @@ def _items(engine: LLMEngine, mode: str, rng: random.Random) -> list[BatchItem]:
         depths = [0]
         for v in range(1, size):
             depths.append(depths[parents[v]] + 1)
-        visible = ancestor_mask(torch.tensor([parents]), size)[0].to(engine.args.device)
+        visible = ancestor_mask(torch.tensor([parents]))[0].to(engine.args.device)
         items.append(BatchItem(seq.seq_id, n, tokens, all_logits=True,
                                positions=[n + d for d in depths], visible=visible))
     for it in items:
@@ -111,6 +111,7 @@ def check_draft(engine: LLMEngine) -> None:
               for s in engine.scheduler.running]
     for seq_id, n, _, b in blocks:
         engine.pages.reserve(seq_id, n + b)
+    proposer.flush({seq_id for seq_id, *_ in blocks})  # held context rows, as a step does
     graph_cache = with_scratch_page(proposer.cache)
     expected = proposer.draft_logits(blocks)  # [sum(b - 1), vocab]
     items = [BatchItem(seq_id, n, [bonus] + [proposer.mask_token_id] * (b - 1), all_logits=True)

@@ -113,7 +113,7 @@ def test_sample_and_match_is_exact_on_fixed_trees(name, seed):
     for v in range(1, len(all_tokens)):
         depths.append(depths[all_parents[v]] + 1)
     cand = Candidates.tree(all_tokens, all_parents, depths, 0,
-                           ancestor_mask(torch.tensor([all_parents]), 4)[0])
+                           ancestor_mask(torch.tensor([all_parents]))[0])
 
     def run(draws):
         return walk(cand.children, lambda v, _c: draws.categorical(table[all_tokens[v]]))[1]

@@ -19,7 +19,7 @@ from flashtree.spec.policy import (
     budget_levels,
     choose_budgets,
 )
-from flashtree.spec.tree import best_path_logprobs, build_trees, topk_logprobs
+from flashtree.spec.tree import best_first_levels, best_path_logprobs, build_trees, topk_logprobs
 from tests.tiny import TINY_PROMPTS
 
 LEVELS = budget_levels(15)  # (0, 1, 2, 4, 8, 15)
@@ -105,7 +105,7 @@ def test_expected_acceptance_equals_brute_force_tree_sums():
     vocab, depth, budget = 5, 3, 12
     logits = torch.randn(2, depth, vocab) * 2
     lp = torch.log_softmax(logits.double(), dim=-1)
-    got = best_path_logprobs(topk_logprobs(logits, vocab)[0], budget)
+    got = best_path_logprobs(best_first_levels(topk_logprobs(logits, vocab)[0], budget), budget)
     for r in range(2):
         paths = [sum(lp[r, d, t] for d, t in enumerate(p)).item()
                  for n in range(1, depth + 1) for p in itertools.product(range(vocab), repeat=n)]

@@ -12,7 +12,13 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.engine.forward_batch import BatchItem, Mode
-from flashtree.spec.tree import ancestor_mask, build_trees
+from flashtree.spec.tree import (
+    ancestor_mask,
+    best_first_levels,
+    build_trees,
+    topk_logprobs,
+    tree_from_levels,
+)
 from tests.tiny import TINY_PROMPTS, save_tiny_qwen3
 
 
@@ -61,6 +67,42 @@ def test_builder_selects_the_most_probable_prefixes(seed, cap):
         assert len(siblings) == len(set(siblings)), "duplicate sibling tokens"
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_smaller_budgets_from_shared_levels_are_the_best_prefixes(seed):
+    """Levels computed once at the largest width give, for every smaller budget, the brute-force
+    best prefixes (the engine builds every budget the policy picks from one set of levels)."""
+    gen = torch.Generator().manual_seed(seed)
+    depth, vocab, width = 3, 4, 12
+    logits = torch.randn(2, depth, vocab, generator=gen) * 2
+    top_lp, top_tok = topk_logprobs(logits, vocab)
+    levels = best_first_levels(top_lp, width)
+    logp = torch.log_softmax(logits.double(), -1)
+    for budget in (1, 2, 5, width):
+        trees = tree_from_levels(levels, top_tok, torch.tensor([3, 4]), budget)
+        for i in range(2):
+            got = set(_tree_prefixes(trees, i).values()) - {()}
+            assert got == _brute_force_top(logp[i], budget, None)
+
+
+def _naive_ancestors(parents: list[int], v: int) -> set[int]:
+    seen = {v}
+    while v:
+        v = parents[v]
+        seen.add(v)
+    return seen
+
+
+@pytest.mark.parametrize("n", [1, 2, 17, 40])
+def test_ancestor_mask_on_deep_trees(n):
+    """Pointer doubling against walking up the parents, on random trees and a chain of n."""
+    rng = random.Random(n)
+    trees = [[0] + [rng.randrange(v) for v in range(1, n)], [0] + list(range(n - 1))]
+    vis = ancestor_mask(torch.tensor(trees))
+    for r, parents in enumerate(trees):
+        for v in range(n):
+            assert set(torch.nonzero(vis[r, v]).flatten().tolist()) == _naive_ancestors(parents, v)
+
+
 def test_budget_equal_to_block_is_not_always_a_chain():
     # q_1 = [0.55, 0.45, ...], later positions near-uniform: the second depth-1 token beats
     # any depth-2 node, so a budget of L gives a bushy tree.
@@ -71,11 +113,11 @@ def test_budget_equal_to_block_is_not_always_a_chain():
 
 def test_visibility_is_ancestors_and_self():
     parent = torch.tensor([[0, 0, 0, 1, 3, 2]])
-    vis = ancestor_mask(parent, 3)[0]
+    vis = ancestor_mask(parent)[0]
     expected = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 3, 4}, 5: {0, 2, 5}}
     for v, anc in expected.items():
         assert set(torch.nonzero(vis[v]).flatten().tolist()) == anc
-    chain = ancestor_mask(torch.tensor([[0, 0, 1, 2, 3]]), 4)[0]
+    chain = ancestor_mask(torch.tensor([[0, 0, 1, 2, 3]]))[0]
     assert torch.equal(chain, torch.ones(5, 5, dtype=torch.bool).tril())
 
 
@@ -117,7 +159,7 @@ def _verify(llm: LLM, seq, tokens, parents) -> torch.Tensor:
     engine = llm.engine
     start = seq.num_computed
     engine.pages.reserve(seq.seq_id, start + len(tokens))
-    visible = ancestor_mask(torch.tensor([parents]), len(tokens))[0]
+    visible = ancestor_mask(torch.tensor([parents]))[0]
     item = BatchItem(seq.seq_id, start, tokens, all_logits=True,
                      positions=[start + d for d in _depths(parents)], visible=visible)
     logits, _ = engine.runner.forward(Mode.VERIFY, [item])
