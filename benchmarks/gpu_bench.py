@@ -226,7 +226,7 @@ def draft_setup(llm: LLM, s: Scratch, ctx: int) -> tuple[list, torch.Tensor, int
     gen = torch.Generator(llm.engine.runner.device).manual_seed(0)
     feats = torch.randn(ctx, prop.draft.fc.in_features, generator=gen,
                         device=llm.engine.runner.device).to(llm.dtype)
-    prop.inject([ContextRows(sid, 0, feats)])
+    prop.inject([ContextRows(feats, ((sid, 0, ctx),))])
     return [(sid, ctx, 7, prop.block_size)], feats, sid
 
 
@@ -496,7 +496,8 @@ class Bench:
         with Scratch(llm) as s:
             blocks, feats, sid = draft_setup(llm, s, p.ctx)
             draft = median_ms(lambda: prop.draft_logits(blocks), device, p.reps)
-            rows = [ContextRows(sid, p.ctx - prop.block_size, feats[-prop.block_size:])]
+            rows = [ContextRows(feats[-prop.block_size:],
+                                ((sid, p.ctx - prop.block_size, prop.block_size),))]
             inject = median_ms(lambda: prop.inject(rows), device, p.reps)
             spec_decode = ar_step_ms(llm, 1, p.ctx, p.reps)  # DECODE with layer capture
             prof = self.profile_lines("draft step", lambda: prop.draft_logits(blocks), draft)

@@ -128,9 +128,11 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
             prompts = load_dataset(name, args.num_prompts, args.seed,
                                    llm.model_config.vocab_size, args.random_input_len)
             for c in args.concurrency:
-                # Warm-up at this concurrency (every prompt's prefill, one more step): kernel
-                # compilation for new shapes and first-use graph captures stay out of the timing.
-                run_offline(llm, prompts, c, 2)
+                # Warm-up at this concurrency, so that one-time costs stay out of the timing: on
+                # CUDA the whole workload (Triton compiles the attention kernel for each new
+                # prefill shape on first use), elsewhere every prompt's prefill and one step.
+                warm_tokens = args.max_tokens if llm.device.type == "cuda" else 2
+                run_offline(llm, prompts, c, warm_tokens, args.temperature, args.seed)
                 before = dict(_budgets(llm))
                 records, duration = run_offline(llm, prompts, c, args.max_tokens,
                                                 args.temperature, args.seed, bar.update)

@@ -206,7 +206,6 @@ class LLMEngine:
         if self.speculative is None or not chunks[0].decode:
             return self._plain_step(chunks)
         speculate = self.speculative.wants_draft(len(chunks))
-        captures = self.speculative.graph_captures
         start = time.perf_counter()
         if speculate:
             done = self._speculative_step(chunks)
@@ -215,17 +214,14 @@ class LLMEngine:
             done = self._plain_step(chunks)
         policy = self.speculative.policy
         # Wall times differ between TP ranks, whose choices must agree: TP uses the profile.
-        # A step that captured a graph on first use is not what later steps cost.
-        if (policy is not None and get_tp_size() == 1
-                and self.speculative.graph_captures == captures):
+        if policy is not None and get_tp_size() == 1:
             policy.observe_step(speculate, len(chunks), time.perf_counter() - start)
         return done
 
     def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
         """Prefill chunks or one plain decode token per request. With a drafter, the new
-        tokens' context features are held and reach the draft KV cache together before the
-        next draft (after the first token of a prompt, and not at all while the policy
-        decodes plain)."""
+        tokens' context features go to the draft KV cache: a prompt's before its first draft
+        (its first token does not wait for them), a decode step's now."""
         mode = Mode.DECODE if chunks[0].decode else Mode.PREFILL
         items = [
             BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
@@ -236,15 +232,16 @@ class LLMEngine:
         # All-greedy batches take the argmax over TP vocab slices without gathering logits.
         all_greedy = all(c.seq.params.argmax_only for c in sampling)
         logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
-        injected, row = [], 0
         for c in chunks:
             c.seq.num_computed = c.start + c.count
             self.pages.set_length(c.seq.seq_id, c.seq.num_computed)
-            if features is not None:
-                injected.append(ContextRows(c.seq.seq_id, c.start, features[row : row + c.count]))
-            row += c.count
-        if self.proposer is not None:
-            self.proposer.defer(injected)
+        if self.proposer is not None and features is not None:
+            if mode == Mode.PREFILL:
+                self.proposer.defer(ContextRows(
+                    features, tuple((c.seq.seq_id, c.start, c.count) for c in chunks)))
+            else:  # one row per request, at the positions and slots the target just wrote
+                batch = self.runner.last_batch
+                self.proposer.write(features, batch.positions, batch.attn.slot_mapping)
         if not sampling:
             tokens = []
         elif all_greedy:  # one device sync for the batch

@@ -32,6 +32,9 @@ class ModelRunner:
         # Decoder layers whose outputs every forward returns (DFlash context features).
         self.capture_layers = capture_layers
         self.graphs: GraphRunner | None = None
+        # The last forward's batch: its positions and slot mapping on the device serve the
+        # drafter's context injection of the same tokens (the caches share page tables).
+        self.last_batch: ForwardBatch | None = None
 
     def capture_graphs(self, dims: GraphDims, buckets: list[int],
                        shapes: Iterable[tuple[GraphMode, int]], max_rows: int) -> None:
@@ -52,6 +55,7 @@ class ModelRunner:
         layers are set, the concatenated outputs of those layers for every token
         [num_tokens, len(capture_layers) * hidden]."""
         batch = ForwardBatch.build(mode, items, self.pages, self.device)
+        self.last_batch = batch
         replayed = self._replay(batch)
         if replayed is not None:
             return replayed

@@ -107,11 +107,23 @@ class SpeculativeDecoder:
         use_graphs = graphs is not None and graphs.use_cuda_graphs
         self._tree_levels = RowGraphs(_levels, buckets, runner.device, use_graphs)
         self._tree_nodes = RowGraphs(_tree_nodes, buckets, runner.device, use_graphs)
+        if use_graphs and cfg.method == "ddtree":
+            self._capture_tree_graphs(buckets)
 
-    @property
-    def graph_captures(self) -> int:
-        """CUDA graphs captured on first use so far (by the DDTree candidate build)."""
-        return self._tree_levels.captures + self._tree_nodes.captures
+    def _capture_tree_graphs(self, buckets: list[int]) -> None:
+        """Capture the DDTree build for every batch bucket and budget the policy can pick now:
+        a capture on first use would stall that step (and skew the policy's step times)."""
+        cfg, device = self.cfg, self.runner.device
+        depth = cfg.block_size - 1
+        k = min(cfg.tree_budget, self._vocab_size, cfg.topk_cap or self._vocab_size)
+        budgets = [b for b in self.policy.levels if b > 0] if self.policy else [cfg.tree_budget]
+        for rows in buckets:
+            top_lp = torch.zeros(rows, depth, k, dtype=torch.float64, device=device)
+            keys, flat = self._tree_levels(top_lp, width=cfg.tree_budget)
+            top_tok = torch.zeros(rows, depth, k, dtype=torch.long, device=device)
+            roots = torch.zeros(rows, dtype=torch.long, device=device)
+            for budget in budgets:
+                self._tree_nodes(keys, flat, top_tok, roots, budget=budget)
 
     def wants_draft(self, requests: int) -> bool:
         """Whether a decode step of `requests` speculates (the adaptive policy may run it
@@ -122,7 +134,7 @@ class SpeculativeDecoder:
         """Returns what each request commits (accepted drafts + the target's next one) and how
         many candidates it verified; target and draft KV already hold every committed token
         but the last. The caller records the stats once stop conditions have cut the tokens."""
-        self.proposer.flush({s.seq_id for s in seqs})
+        self.proposer.flush()
         plans = self._plan(seqs)
         items = [
             BatchItem(s.seq_id, s.num_computed, p.cand.tokens, all_logits=True,
@@ -158,12 +170,10 @@ class SpeculativeDecoder:
         # batched move, and one gather of their features for the draft KV.
         self.pages.keep(self.cache, kept)
         kept_features = features[to_device(kept_rows, features.device)]
-        injected = []
-        for seq, (seq_id, start, path), rows_of_seq in zip(
-                seqs, kept, kept_features.split([len(path) for *_, path in kept])):
+        for seq, (_, start, path) in zip(seqs, kept):
             seq.num_computed = start + len(path)
-            injected.append(ContextRows(seq_id, start, rows_of_seq))
-        self.proposer.inject(injected)
+        self.proposer.inject([ContextRows(kept_features, tuple(
+            (seq_id, start, len(path)) for seq_id, start, path in kept))])
         if self.policy is not None:
             self.policy.observe_speculation(len(seqs), sum(v.num_candidates for v in committed),
                                             len(kept_rows) - len(seqs))

@@ -36,7 +36,6 @@ class RowGraphs:
         assert not use_cuda_graphs or device.type == "cuda", f"CUDA graphs on {device}"
         self.fn, self.device, self.use_cuda_graphs = fn, device, use_cuda_graphs
         self.pads = tuple(pads)
-        self.captures = 0  # graphs captured so far (a step that captured ran slow)
         self.buckets = sorted(set(buckets))
         self._entries: dict[tuple, _Entry] = {}
         self._pool = None
@@ -73,5 +72,4 @@ class RowGraphs:
         graph, outputs = capture_graph(lambda: self.fn(*buffers, **static), self.device,
                                        self._pool)
         self._pool = graph.pool()
-        self.captures += 1
         return _Entry(buffers, graph, outputs)

@@ -22,16 +22,16 @@ from flashtree.models.llama import DecoderModel
 from flashtree.transfer import lists_to_device, to_device
 
 _GRAPH_CONTEXT_ROWS = 2048  # context rows per injection that replay a captured graph at most
-_MAX_DEFERRED_ROWS = 16384  # context rows held for the next draft before injecting them anyway
+_MAX_DEFERRED_ROWS = 16384  # prompt rows held for the next draft before injecting them anyway
 
 
 @dataclass(frozen=True)
 class ContextRows:
-    """Features of tokens [start, start + features.shape[0]) of one request, to inject."""
+    """Features of committed tokens of one forward, to inject: span (seq_id, start, count)
+    holds that request's tokens [start, start + count), spans in row order."""
 
-    seq_id: int
-    start: int
-    features: torch.Tensor  # [n, len(target_layer_ids) * hidden]
+    features: torch.Tensor  # [sum of counts, len(target_layer_ids) * hidden]
+    spans: tuple[tuple[int, int, int], ...]
 
 
 class DFlashProposer:
@@ -58,10 +58,9 @@ class DFlashProposer:
         self._layer_backends = [
             self._backends[kind] for kind in zip(cfg.layer_causal, cfg.layer_windows)
         ]
-        # Context rows of prefill chunks and of steps that ran plain decoding, injected
-        # together before the next draft (the drafter reads nothing in between): seq_id ->
-        # rows in commit order.
-        self._deferred: dict[int, list[ContextRows]] = {}
+        # Context rows of prefill chunks, injected together before the next draft (the
+        # drafter reads nothing in between): the first token of a prompt does not wait.
+        self._deferred: list[ContextRows] = []
         self._deferred_rows = 0
         self.graphs: GraphRunner | None = None
         self._context_writer: RowGraphs | None = None
@@ -87,34 +86,42 @@ class DFlashProposer:
                        torch.full((rows,), dims.scratch_slot, device=self.device))
         self._context_writer = writer
 
-    def defer(self, rows: list[ContextRows]) -> None:
-        """Keep rows for the next flush; past _MAX_DEFERRED_ROWS (long runs of plain steps)
-        inject them all now instead, so that held features stay bounded."""
-        for r in rows:
-            self._deferred.setdefault(r.seq_id, []).append(r)
-        self._deferred_rows += sum(r.features.shape[0] for r in rows)
+    def defer(self, rows: ContextRows) -> None:
+        """Keep rows for the next flush (past _MAX_DEFERRED_ROWS, inject them all now)."""
+        self._deferred.append(rows)
+        self._deferred_rows += rows.features.shape[0]
         if self._deferred_rows > _MAX_DEFERRED_ROWS:
-            self.flush(set(self._deferred))
+            self.flush()
 
-    def flush(self, live: set[int]) -> None:
-        """Inject the deferred rows of the `live` requests in one batch; drop the rest (their
-        requests finished or were preempted: a recompute injects its own rows)."""
-        rows = [r for seq_id in live for r in self._deferred.get(seq_id, ())
-                if r.start + r.features.shape[0] <= self.pages.lengths.get(seq_id, 0)]
-        self._deferred.clear()
-        self._deferred_rows = 0
+    def flush(self) -> None:
+        """Inject the deferred rows in one batch."""
+        rows, self._deferred, self._deferred_rows = self._deferred, [], 0
         self.inject(rows)
 
     @torch.inference_mode()
     def inject(self, rows: list[ContextRows]) -> None:
-        """Append context K/V of newly committed tokens to the draft cache."""
+        """Write context K/V of committed tokens to the draft cache. Spans past their
+        request's committed length (it finished or was preempted since, and its pages may
+        belong to another request) go to the scratch slot: a recompute injects its own."""
         if not rows:
             return
-        features = torch.cat([r.features for r in rows])
-        positions, slots = lists_to_device([
-            [p for r in rows for p in range(r.start, r.start + r.features.shape[0])],
-            [s for r in rows for s in self.pages.slots(r.seq_id, r.start, r.features.shape[0])],
-        ], self.device)
+        features = torch.cat([r.features for r in rows]) if len(rows) > 1 else rows[0].features
+        scratch = self.pages.num_pages * self.pages.page_size  # the spare page's first slot
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq_id, start, count in (span for r in rows for span in r.spans):
+            positions += range(start, start + count)
+            if start + count <= self.pages.lengths.get(seq_id, 0):
+                slots += self.pages.slots(seq_id, start, count)
+            else:
+                slots += [scratch] * count
+        self.write(features, *lists_to_device([positions, slots], self.device))
+
+    @torch.inference_mode()
+    def write(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+              ) -> None:
+        """Context K/V of rows whose positions and draft-cache slots are already on the device
+        ([n] each; a target forward's own, since the caches share page tables)."""
         if self._context_writer is not None:
             self._context_writer(features, positions, slots)
         else:

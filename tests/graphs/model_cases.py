@@ -111,7 +111,7 @@ def check_draft(engine: LLMEngine) -> None:
               for s in engine.scheduler.running]
     for seq_id, n, _, b in blocks:
         engine.pages.reserve(seq_id, n + b)
-    proposer.flush({seq_id for seq_id, *_ in blocks})  # held context rows, as a step does
+    proposer.flush()  # held context rows, as a step does
     graph_cache = with_scratch_page(proposer.cache)
     expected = proposer.draft_logits(blocks)  # [sum(b - 1), vocab]
     items = [BatchItem(seq_id, n, [bonus] + [proposer.mask_token_id] * (b - 1), all_logits=True)

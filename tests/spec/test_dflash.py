@@ -76,7 +76,7 @@ def test_block_logits_match_reference(target_dir, drafter_dir, reference):
     seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=block + 1))
     engine.step()  # prefill: computes target KV and holds the prompt's context features
     assert seq.output_ids == [bonus]
-    engine.proposer.flush({seq.seq_id})  # as a speculative step does before drafting
+    engine.proposer.flush()  # as a speculative step does before drafting
     engine.pages.reserve(seq.seq_id, n + block)
     got = engine.proposer.draft_logits([(seq.seq_id, n, bonus, block)])
     assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()

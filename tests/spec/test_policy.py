@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
+from flashtree.graphs.rows import RowGraphs
 from flashtree.spec.cost import load_profile, save_profile
 from flashtree.spec.policy import (
     _FORCED_PROBE,
@@ -165,6 +166,27 @@ def test_adaptive_engine_is_lossless_with_varying_budgets_and_plain_steps(small_
     assert sum(budgets.values()) == sum(len(o.outputs[0].spec_accept_lengths) for o in outs)
 
 
+def test_tree_build_captured_at_start_covers_every_step(small_pair, tmp_path, monkeypatch):
+    """On CUDA the DDTree build replays graphs captured at start for every batch bucket and
+    budget the policy can pick: no step may need a shape that was not captured (capturing it
+    then would stall that step). Checked with the same padded static buffers on CPU."""
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    target, drafter = small_pair
+    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
+              skip_tokenizer_init=True, page_size=4, max_num_seqs=4)
+    spec = llm.engine.speculative
+    spec.policy.cost = _cost(per_token=0.05, draft=0.2)  # budgets differ by request and step
+    cpu, buckets = torch.device("cpu"), [1, 2, 4]
+    spec._tree_levels = RowGraphs(spec._tree_levels.fn, buckets, cpu, use_cuda_graphs=False)
+    spec._tree_nodes = RowGraphs(spec._tree_nodes.fn, buckets, cpu, use_cuda_graphs=False)
+    spec._capture_tree_graphs(buckets)
+    captured = set(spec._tree_levels._entries), set(spec._tree_nodes._entries)
+    assert len(captured[1]) == len(buckets) * (len(spec.policy.levels) - 1)
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert (set(spec._tree_levels._entries), set(spec._tree_nodes._entries)) == captured
+    assert len(spec.stats.budgets) >= 3, spec.stats.budgets
+
+
 def test_policy_name_is_checked(small_pair):
     target, drafter = small_pair
     with pytest.raises(ValueError, match="spec_policy='greedy'.*adaptive"):
@@ -255,11 +277,11 @@ def test_one_cold_step_does_not_hold_speculation_off():
     assert policy.backoff == 0
 
 
-def test_deferred_context_rows_reach_only_live_committed_positions(small_pair, tmp_path,
-                                                                  monkeypatch):
-    """Plain steps chosen by the policy defer the drafter's context rows; the next draft
-    injects those of live requests up to their committed length and drops the rest (finished
-    or preempted requests, whose pages may belong to others by then)."""
+def test_deferred_context_rows_reach_only_committed_positions(small_pair, tmp_path,
+                                                             monkeypatch):
+    """Prompt rows wait for the next draft; the flush writes those within their request's
+    committed length to its slots and the rest (finished or preempted requests, whose pages
+    may belong to others by then) to the spare page, never twice."""
     from flashtree.spec.dflash import ContextRows
 
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
@@ -271,13 +293,16 @@ def test_deferred_context_rows_reach_only_live_committed_positions(small_pair, t
     for seq_id in (5, 6):
         pages.reserve(seq_id, 8)
         pages.set_length(seq_id, 4)
-    rows = [ContextRows(5, 0, torch.ones(3, width)), ContextRows(5, 3, torch.ones(2, width)),
-            ContextRows(6, 0, torch.ones(2, width))]
-    proposer.defer(rows)
-    injected = []
-    monkeypatch.setattr(proposer, "inject", injected.extend)
-    proposer.flush({5})
-    assert injected == rows[:1]  # seq 5 beyond its length 4 and seq 6 (not live) are dropped
-    proposer.flush({5, 6})
-    assert injected == rows[:1]  # nothing is injected twice
+    pages.free(6)  # finished after its prompt chunk
+    proposer.defer(ContextRows(torch.ones(5, width), ((5, 0, 3), (6, 0, 2))))
+    proposer.defer(ContextRows(torch.ones(2, width), ((5, 3, 2),)))  # past length 4
+    written = []
+    monkeypatch.setattr(proposer, "_write_context",
+                        lambda f, pos, slots: written.append((pos.tolist(), slots.tolist())))
+    proposer.flush()
+    scratch = pages.num_pages * pages.page_size
+    assert written == [([0, 1, 2, 0, 1, 3, 4],
+                        pages.slots(5, 0, 3) + [scratch] * 4)]
+    proposer.flush()
+    assert len(written) == 1  # nothing is injected twice
 
