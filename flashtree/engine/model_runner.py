@@ -48,13 +48,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, mode: Mode, items: list[BatchItem], gather_logits: bool = True
+        self, mode: Mode, items: list[BatchItem], gather_logits: bool = True,
+        device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write KV for every item's tokens; return float32 logits of the scored rows
         [num_scored, vocab] (this TP rank's vocab slice unless `gather_logits`) and, when capture
         layers are set, the concatenated outputs of those layers for every token
-        [num_tokens, len(capture_layers) * hidden]."""
+        [num_tokens, len(capture_layers) * hidden]. `device_inputs`: token ids and positions
+        [num_tokens] already on the device, read in place of the items' (which then give only
+        the counts): candidates built on the device need not visit the host."""
         batch = ForwardBatch.build(mode, items, self.pages, self.device)
+        if device_inputs is not None:
+            batch.input_ids, batch.positions = device_inputs
         self.last_batch = batch
         replayed = self._replay(batch)
         if replayed is not None:

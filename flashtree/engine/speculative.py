@@ -76,6 +76,18 @@ class _Planned:
     predicted: float | None = None  # the policy's raw expected accepted drafts (adaptive)
 
 
+@dataclass
+class _TreeBatch:
+    """DDTree candidates of every request of a greedy step, all of one budget, kept on the
+    device (N = budget + 1 nodes, root first, topological order)."""
+
+    tokens: torch.Tensor  # [R, N] int64
+    parent: torch.Tensor  # [R, N] int64
+    depth: torch.Tensor  # [R, N] int64
+    visible: torch.Tensor  # [R, N, N] bool
+    predicted: list[float | None]  # the policy's raw expected accepted drafts per request
+
+
 def _levels(top_lp: torch.Tensor, *, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """best_first_levels as RowGraphs replays it: [R, L, K] -> keys, flat [R, L, width]."""
     levels = best_first_levels(top_lp, width)
@@ -136,6 +148,19 @@ class SpeculativeDecoder:
         but the last. The caller records the stats once stop conditions have cut the tokens."""
         self.proposer.flush()
         plans = self._plan(seqs)
+        if isinstance(plans, _TreeBatch):
+            walks, features = self._verify_tree_batch(seqs, plans)
+            sizes, predicted = [plans.tokens.shape[1]] * len(seqs), plans.predicted
+        else:
+            walks, features = self._verify(seqs, plans)
+            sizes = [len(p.cand.tokens) for p in plans]
+            predicted = [p.predicted for p in plans]
+        return self._commit(seqs, walks, sizes, predicted, features)
+
+    def _verify(self, seqs: list[Sequence], plans: list[_Planned]
+                ) -> tuple[list[tuple[list[int], list[int]]], torch.Tensor]:
+        """One target forward over every request's candidates and the walks: per request the
+        accepted nodes (root first) and the committed tokens; and the forward's features."""
         items = [
             BatchItem(s.seq_id, s.num_computed, p.cand.tokens, all_logits=True,
                       positions=p.cand.positions, visible=p.cand.visible)
@@ -144,26 +169,60 @@ class SpeculativeDecoder:
         all_greedy = all(s.params.argmax_only for s in seqs)
         logits, features = self.runner.forward(Mode.VERIFY, items, gather_logits=not all_greedy)
         assert features is not None, "verify must capture the drafter's target layers"
-        walked = self._greedy_walks(plans, logits) if all_greedy else None
-        kept, kept_rows, committed, base = [], [], [], 0
-        for i, (seq, plan) in enumerate(zip(seqs, plans)):
+        if all_greedy:
+            return self._greedy_walks(plans, logits), features
+        walks, base = [], 0
+        for seq, plan in zip(seqs, plans):
             n = len(plan.cand.tokens)
-            if walked is not None:
-                path, new = walked[i]
+            rows = self._processed_rows(seq, plan.cand, logits[base : base + n])
+            if plan.draft_probs is not None:
+                walks.append(walk_rrs(plan.cand.children, plan.depths,
+                                      lambda v, _prev, rows=rows: rows[v], plan.draft_probs,
+                                      GeneratorDraws(seq.generator)))
             else:
-                rows = self._processed_rows(seq, plan.cand, logits[base : base + n])
-                if plan.draft_probs is not None:
-                    path, new = walk_rrs(plan.cand.children, plan.depths,
-                                         lambda v, _prev, rows=rows: rows[v], plan.draft_probs,
-                                         GeneratorDraws(seq.generator))
-                else:
-                    decisions = self._node_decisions(seq, rows, plan.depths)
-                    path, new = walk(plan.cand.children, lambda v, _prev, d=decisions: d[v])
+                decisions = self._node_decisions(seq, rows, plan.depths)
+                walks.append(walk(plan.cand.children, lambda v, _prev, d=decisions: d[v]))
+            base += n
+        return walks, features
+
+    def _verify_tree_batch(self, seqs: list[Sequence], trees: _TreeBatch
+                           ) -> tuple[list[tuple[list[int], list[int]]], torch.Tensor]:
+        """`_verify` for greedy requests whose trees all have N nodes, without reading the
+        trees on the host: the forward's token ids and positions come from the device tensors,
+        and the walks' result (with the accepted nodes' tokens) is the step's one device read."""
+        r, n = trees.tokens.shape
+        device = trees.tokens.device
+        starts = to_device([s.num_computed for s in seqs], device)
+        ids = trees.tokens.flatten()
+        positions = (starts[:, None] + trees.depth).flatten()
+        items = [BatchItem(s.seq_id, s.num_computed, [0] * n, all_logits=True, positions=[0] * n,
+                           visible=trees.visible[i]) for i, s in enumerate(seqs)]
+        logits, features = self.runner.forward(Mode.VERIFY, items, gather_logits=False,
+                                               device_inputs=(ids, positions))
+        assert features is not None, "verify must capture the drafter's target layers"
+        argmax = vocab_argmax(logits, self._vocab_start).view(r, n)
+        w = greedy_walk(trees.tokens, trees.parent, torch.full((r,), n, device=device), argmax)
+        path_tokens = trees.tokens.gather(1, w.path.clamp(max=n - 1))  # [R, N]
+        result = torch.cat([w.num_accepted[:, None], w.bonus[:, None], w.path, path_tokens],
+                           1).tolist()
+        walks = []
+        for count, bonus, *rest in result:
+            path, tokens = rest[:n][:count], rest[n:][:count]
+            walks.append((path, tokens[1:] + [bonus]))
+        return walks, features
+
+    def _commit(self, seqs: list[Sequence], walks: list[tuple[list[int], list[int]]],
+                sizes: list[int], predicted: list[float | None], features: torch.Tensor
+                ) -> list[Verified]:
+        """Keep the accepted nodes' KV and features, record the policy's and stats' inputs;
+        `sizes`: each request's verified nodes (root included), in forward row order."""
+        kept, kept_rows, committed, base = [], [], [], 0
+        for seq, (path, new), n, expected in zip(seqs, walks, sizes, predicted):
             kept.append((seq.seq_id, seq.num_computed, path))
             kept_rows += [base + v for v in path]
             committed.append(Verified(new, n - 1))
-            if self.policy is not None and plan.predicted is not None:
-                self.policy.observe(seq.seq_id, len(path) - 1, plan.predicted)
+            if self.policy is not None and expected is not None:
+                self.policy.observe(seq.seq_id, len(path) - 1, expected)
             self.stats.record_budget(n - 1)
             base += n
         # The accepted nodes' KV moves to logical indices start.., the rest is dropped: one
@@ -181,7 +240,9 @@ class SpeculativeDecoder:
         return committed
 
     # ------------------------------------------------------------------ candidates
-    def _plan(self, seqs: list[Sequence]) -> list[_Planned]:
+    def _plan(self, seqs: list[Sequence]) -> list[_Planned] | _TreeBatch:
+        """Every request's candidates: host plans, or (greedy DDTree steps whose trees share
+        one budget) the trees on the device."""
         cfg = self.cfg
         if cfg.method == "dflash":
             # Block b = min(B, room left): the last blocks shrink, as the reference's do.
@@ -223,7 +284,10 @@ class SpeculativeDecoder:
         if chains:
             self._plan_chains(seqs, chains, rows, greedy, full, plans)
         if trees:
-            self._plan_trees(seqs, trees, rows, full, plans)
+            on_device = len(trees) == len(seqs) and all(s.params.argmax_only for s in seqs)
+            batch = self._plan_trees(seqs, trees, rows, full, plans, on_device)
+            if batch is not None:
+                return batch
         return [p for p in plans if p is not None]
 
     def _plan_chains(self, seqs: list[Sequence], chains: list[int],
@@ -257,9 +321,11 @@ class SpeculativeDecoder:
 
     def _plan_trees(self, seqs: list[Sequence], trees: list[int],
                     rows: dict[int, torch.Tensor], full: bool,
-                    plans: list[_Planned | None]) -> None:
+                    plans: list[_Planned | None], on_device: bool) -> _TreeBatch | None:
         """DDTree candidates: the best-first tree of the full budget, or (adaptive) of the
-        budget the policy picks from the trees' own path probabilities."""
+        budget the policy picks from the trees' own path probabilities. `on_device` (every
+        request a greedy tree): when all share one budget, return them as a _TreeBatch
+        instead of filling `plans`."""
         cfg = self.cfg
         stacked = torch.stack([rows[seqs[i].seq_id] for i in trees])
         root_ids = [seqs[i].output_ids[-1] for i in trees]
@@ -279,6 +345,9 @@ class SpeculativeDecoder:
             gains = [[row[min(b, len(row) - 1)] for b in self.policy.levels] for row in best]
             budgets = self.policy.choose(ids, gains)
             predicted = [g[self.policy.levels.index(b)] for g, b in zip(gains, budgets)]
+        if on_device and len(set(budgets)) == 1 and budgets[0] > 0:
+            nodes, visible = self._tree_nodes(keys, flat, top_tok, roots, budget=budgets[0])
+            return _TreeBatch(nodes[:, 0], nodes[:, 1], nodes[:, 2], visible, predicted)
         for budget in sorted(set(budgets)):
             group = [j for j, b in enumerate(budgets) if b == budget]
             if budget == 0:

@@ -1,10 +1,11 @@
 """Row-wise tensor work replayed from CUDA graphs: the DDTree candidate build (top-k levels and
 the best-first tree) is ~100 small kernels whose launches, not their arithmetic, cost the
 host milliseconds per step. Every input and output has the requests as its first dimension and
-rows never read each other, so a batch runs padded to a bucket of rows: captured on first use
-per (bucket, input shapes past the rows, static arguments), replayed after copying the real
-rows in. Without CUDA graphs (CPU, eager mode) the function runs on the padded static buffers
-the same way, so the padding is exercised everywhere."""
+rows never read each other, so a batch runs padded to a bucket of rows: captured on the first
+call per (bucket, input shapes past the rows, static arguments; engines make those calls at
+start-up), replayed after copying the real rows in. Without CUDA graphs (CPU, eager mode) the
+function runs on the padded static buffers the same way, so the padding is exercised
+everywhere."""
 
 from __future__ import annotations
 
@@ -53,10 +54,10 @@ class RowGraphs:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = self._capture(bucket, inputs, static)
-        for i, (buf, t) in enumerate(zip(entry.static, inputs)):
+        for j, (buf, t) in enumerate(zip(entry.static, inputs)):
             buf[:rows].copy_(t)
-            if i < len(self.pads) and self.pads[i] is not None and rows < bucket:
-                buf[rows:].fill_(self.pads[i])
+            if j < len(self.pads) and self.pads[j] is not None and rows < bucket:
+                buf[rows:].fill_(self.pads[j])
         if entry.graph is None:
             outputs = self.fn(*entry.static, **static)
         else:
