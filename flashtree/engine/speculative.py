@@ -34,6 +34,7 @@ from flashtree.spec.verify import Candidates, greedy_walk, walk
 from flashtree.transfer import lists_to_device, to_device
 
 TREE_SAMPLING_MODES = ("match", "rrs")
+Walk = tuple[list[int], list[int]]  # a request's accepted nodes (root first), committed tokens
 
 
 class Verified(NamedTuple):
@@ -158,7 +159,7 @@ class SpeculativeDecoder:
         return self._commit(seqs, walks, sizes, predicted, features)
 
     def _verify(self, seqs: list[Sequence], plans: list[_Planned]
-                ) -> tuple[list[tuple[list[int], list[int]]], torch.Tensor]:
+                ) -> tuple[list[Walk], torch.Tensor]:
         """One target forward over every request's candidates and the walks: per request the
         accepted nodes (root first) and the committed tokens; and the forward's features."""
         items = [
@@ -186,7 +187,7 @@ class SpeculativeDecoder:
         return walks, features
 
     def _verify_tree_batch(self, seqs: list[Sequence], trees: _TreeBatch
-                           ) -> tuple[list[tuple[list[int], list[int]]], torch.Tensor]:
+                           ) -> tuple[list[Walk], torch.Tensor]:
         """`_verify` for greedy requests whose trees all have N nodes, without reading the
         trees on the host: the forward's token ids and positions come from the device tensors,
         and the walks' result (with the accepted nodes' tokens) is the step's one device read."""
@@ -211,7 +212,7 @@ class SpeculativeDecoder:
             walks.append((path, tokens[1:] + [bonus]))
         return walks, features
 
-    def _commit(self, seqs: list[Sequence], walks: list[tuple[list[int], list[int]]],
+    def _commit(self, seqs: list[Sequence], walks: list[Walk],
                 sizes: list[int], predicted: list[float | None], features: torch.Tensor
                 ) -> list[Verified]:
         """Keep the accepted nodes' KV and features, record the policy's and stats' inputs;
@@ -395,7 +396,7 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ target decisions
     def _greedy_walks(self, plans: list[_Planned], logits: torch.Tensor
-                      ) -> list[tuple[list[int], list[int]]]:
+                      ) -> list[Walk]:
         """Every request's greedy walk as one batch of device ops (TP ranks reduce their vocab
         slices for the argmax) and one host sync for the result: per request, the accepted
         nodes (root first) and the committed tokens (accepted drafts + the bonus)."""
