@@ -282,6 +282,7 @@ def test_deferred_context_rows_reach_only_committed_positions(small_pair, tmp_pa
     """Prompt rows wait for the next draft; the flush writes those within their request's
     committed length to its slots and the rest (finished or preempted requests, whose pages
     may belong to others by then) to the spare page, never twice."""
+    from flashtree.spec import dflash
     from flashtree.spec.dflash import ContextRows
 
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
@@ -305,4 +306,9 @@ def test_deferred_context_rows_reach_only_committed_positions(small_pair, tmp_pa
                         pages.slots(5, 0, 3) + [scratch] * 4)]
     proposer.flush()
     assert len(written) == 1  # nothing is injected twice
+    monkeypatch.setattr(dflash, "_MAX_DEFERRED_ROWS", 4)  # held rows stay bounded
+    proposer.defer(ContextRows(torch.ones(3, width), ((5, 0, 3),)))
+    assert len(written) == 1
+    proposer.defer(ContextRows(torch.ones(2, width), ((5, 3, 1), (6, 0, 1))))
+    assert written[1] == ([0, 1, 2, 3, 0], pages.slots(5, 0, 4) + [scratch])
 
