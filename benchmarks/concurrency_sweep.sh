@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Adaptive vs fixed DDTree vs plain decoding over concurrency 1..256, several runs with the spec
+# order rotated between runs (the first engine of a process can run slower than the next ones).
+#
+#   benchmarks/concurrency_sweep.sh MODEL DRAFT OUT_DIR [RUNS]
+#
+# Each run writes OUT_DIR/runK/{low,high}_concurrency/ (`flashtree bench` reports and plots).
+# Sizes can be changed through the environment: LOW_CONC, LOW_PROMPTS, LOW_TOKENS, HIGH_CONC,
+# HIGH_PROMPTS, HIGH_TOKENS.
+set -euo pipefail
+model=$1 draft=$2 out=$3 runs=${4:-3}
+low_specs=(none ddtree ddtree:fixed:7 ddtree:fixed dflash:fixed)
+high_specs=(none ddtree ddtree:fixed)
+
+rotated() {  # rotated K SPEC... -> the specs joined by commas, starting at index K mod count
+    local k=$1; shift
+    local specs=("$@") n=$#
+    local order=()
+    for ((i = 0; i < n; i++)); do order+=("${specs[$(((k + i) % n))]}"); done
+    (IFS=,; echo "${order[*]}")
+}
+
+for ((run = 1; run <= runs; run++)); do
+    flashtree bench --model "$model" --draft "$draft" --no-progress --dataset chat --seed "$run" \
+        --spec "$(rotated $((run - 1)) "${low_specs[@]}")" --concurrency "${LOW_CONC:-1,4,16}" \
+        --num-prompts "${LOW_PROMPTS:-24}" --max-tokens "${LOW_TOKENS:-128}" \
+        --output-dir "$out/run$run/low_concurrency"
+    flashtree bench --model "$model" --draft "$draft" --no-progress --dataset chat --seed "$run" \
+        --spec "$(rotated $((run - 1)) "${high_specs[@]}")" --concurrency "${HIGH_CONC:-64,256}" \
+        --num-prompts "${HIGH_PROMPTS:-768}" --max-tokens "${HIGH_TOKENS:-96}" \
+        --output-dir "$out/run$run/high_concurrency"
+done
