@@ -123,8 +123,7 @@ class LLMEngine:
         tokens), for batch buckets up to max_num_seqs."""
         page = self.args.cache.page_size
         longest = self.args.scheduler.max_model_len + self.lookahead
-        dims = GraphDims(max_pages=-(-longest // page) + 1,
-                         scratch_slot=self.pages.num_pages * page)
+        dims = GraphDims(max_pages=-(-longest // page) + 1, scratch_slot=self.pages.scratch_slot)
         buckets = batch_buckets(self.args.scheduler.max_num_seqs)
         max_rows = max(_GRAPH_MAX_ROWS, self.args.scheduler.max_num_seqs)
         shapes = [(GraphMode.DECODE, 1)]

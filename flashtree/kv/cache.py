@@ -89,6 +89,12 @@ class PageTables:
         for _ in range(need):
             table.append(self._free.pop())
 
+    @property
+    def scratch_slot(self) -> int:
+        """The first slot of the spare page past the pool (the caches allocate num_pages + 1):
+        padded rows of captured graphs, and rows of finished requests, write there."""
+        return self.num_pages * self.page_size
+
     def table(self, seq_id: int) -> list[int]:
         return self._tables[seq_id]
 
@@ -120,14 +126,13 @@ class PageTables:
         increasing. One cache move for all requests (their slots are disjoint)."""
         src: list[int] = []
         dst: list[int] = []
-        p = self.page_size
         for seq_id, start, offsets in kept:
             assert all(a < b for a, b in zip(offsets, offsets[1:])), offsets
-            table = self._tables[seq_id]
+            slots = self.slots(seq_id, start, offsets[-1] + 1) if offsets else []
             for j, o in enumerate(offsets):
                 if o != j:
-                    src.append(table[(start + o) // p] * p + (start + o) % p)
-                    dst.append(table[(start + j) // p] * p + (start + j) % p)
+                    src.append(slots[o])
+                    dst.append(slots[j])
         if src:
             cache.move(*lists_to_device([src, dst], cache.k.device))
         for seq_id, start, offsets in kept:

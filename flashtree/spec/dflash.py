@@ -106,7 +106,6 @@ class DFlashProposer:
         if not rows:
             return
         features = torch.cat([r.features for r in rows]) if len(rows) > 1 else rows[0].features
-        scratch = self.pages.num_pages * self.pages.page_size  # the spare page's first slot
         positions: list[int] = []
         slots: list[int] = []
         for seq_id, start, count in (span for r in rows for span in r.spans):
@@ -114,7 +113,7 @@ class DFlashProposer:
             if start + count <= self.pages.lengths.get(seq_id, 0):
                 slots += self.pages.slots(seq_id, start, count)
             else:
-                slots += [scratch] * count
+                slots += [self.pages.scratch_slot] * count
         self.write(features, *lists_to_device([positions, slots], self.device))
 
     @torch.inference_mode()
