@@ -8,6 +8,10 @@
 # Sizes can be changed through the environment: LOW_CONC, LOW_PROMPTS, LOW_TOKENS, HIGH_CONC,
 # HIGH_PROMPTS, HIGH_TOKENS.
 set -euo pipefail
+if [[ $# -lt 3 || ! ${4:-3} =~ ^[1-9][0-9]*$ ]]; then
+    echo "usage: $0 MODEL DRAFT OUT_DIR [RUNS, a positive integer; default 3]" >&2
+    exit 2
+fi
 model=$1 draft=$2 out=$3 runs=${4:-3}
 low_specs=(none ddtree ddtree:fixed:7 ddtree:fixed dflash:fixed)
 high_specs=(none ddtree ddtree:fixed)
