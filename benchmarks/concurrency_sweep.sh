@@ -6,14 +6,15 @@
 #
 # Each run writes OUT_DIR/runK/{low,high}_concurrency/ (`flashtree bench` reports and plots).
 # Sizes can be changed through the environment: LOW_CONC, LOW_PROMPTS, LOW_TOKENS, HIGH_CONC,
-# HIGH_PROMPTS, HIGH_TOKENS.
+# HIGH_PROMPTS, HIGH_TOKENS; FIRST_RUN=K starts at run K (seed K, order rotated K - 1 times), so
+# that runs can be split between processes, e.g. one per GPU.
 set -euo pipefail
 if [[ $# -lt 3 || ! ${4:-3} =~ ^[1-9][0-9]*$ ]]; then
     echo "usage: $0 MODEL DRAFT OUT_DIR [RUNS, a positive integer; default 3]" >&2
     exit 2
 fi
 model=$1 draft=$2 out=$3 runs=${4:-3}
-low_specs=(none ddtree ddtree:fixed:7 ddtree:fixed dflash:fixed)
+low_specs=(none ddtree ddtree:fixed:7 ddtree:fixed)
 high_specs=(none ddtree ddtree:fixed)
 
 rotated() {  # rotated K SPEC... -> the specs joined by commas, starting at index K mod count
@@ -24,7 +25,8 @@ rotated() {  # rotated K SPEC... -> the specs joined by commas, starting at inde
     (IFS=,; echo "${order[*]}")
 }
 
-for ((run = 1; run <= runs; run++)); do
+first=${FIRST_RUN:-1}
+for ((run = first; run < first + runs; run++)); do
     flashtree bench --model "$model" --draft "$draft" --no-progress --dataset chat --seed "$run" \
         --spec "$(rotated $((run - 1)) "${low_specs[@]}")" --concurrency "${LOW_CONC:-1,4,16}" \
         --num-prompts "${LOW_PROMPTS:-24}" --max-tokens "${LOW_TOKENS:-128}" \

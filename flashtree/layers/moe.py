@@ -17,6 +17,7 @@ from torch import nn
 
 from flashtree.config import MoEConfig
 from flashtree.distributed import get_ep_rank, get_ep_size, get_moe_tp, tp_all_reduce
+from flashtree.layers.activation import silu_mul
 from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -113,8 +114,7 @@ class ExpertMLP(nn.Module):
         self.down_proj = _ExpertLinear(hidden, inter, stacked=1, split_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        return F.linear(silu_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
 
 
 class SharedMLP(nn.Module):
@@ -126,8 +126,7 @@ class SharedMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class SparseMoE(nn.Module):

@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashtree.layers import fused_kernels_apply
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, as the HF reference does."""
@@ -22,5 +24,24 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim] -> [..., dim]
+        if fused_kernels_apply(x):
+            from flashtree.layers.fused import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)[0]
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [n, dim] -> (norm(s), s) for s = x + residual in x's dtype; one kernel
+        on CUDA."""
+        if fused_kernels_apply(x):
+            from flashtree.layers.fused import rms_norm
+
+            normed, total = rms_norm(x, self.weight, self.eps, residual)
+            assert total is not None
+            return normed, total
+        total = x + residual
+        return self.forward(total), total

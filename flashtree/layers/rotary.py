@@ -8,6 +8,8 @@ import math
 import torch
 
 from flashtree.config import RopeConfig
+from flashtree.layers import fused_kernels_apply
+from flashtree.layers.norm import RMSNorm
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -98,6 +100,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def norm_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: RMSNorm | None = None
+) -> torch.Tensor:
+    """Rotate-half RoPE of x: [n, heads, head_dim], after the per-head RMSNorm `norm` when
+    given (Qwen3's q/k norm); one kernel on CUDA."""
+    if fused_kernels_apply(x):
+        from flashtree.layers.fused import norm_rope
+
+        if norm is None:
+            return norm_rope(x, cos, sin)
+        return norm_rope(x, cos, sin, norm.weight, norm.eps)
+    return apply_rotary(x if norm is None else norm(x), cos, sin)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

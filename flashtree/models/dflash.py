@@ -21,7 +21,7 @@ from torch import nn
 from flashtree.attention.backend import AttentionBackend
 from flashtree.config import ModelConfig
 from flashtree.layers.norm import RMSNorm
-from flashtree.layers.rotary import RotaryEmbedding, apply_rotary
+from flashtree.layers.rotary import RotaryEmbedding, norm_rotary
 from flashtree.models.llama import STACKED, DecoderLayer
 from flashtree.models.loader import iter_safetensors, safetensors_files
 
@@ -171,9 +171,7 @@ class DFlashDraftModel(nn.Module):
             bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[q_size:]
             kv = F.linear(ctx, attn.qkv_proj.weight[q_size:], bias)  # k/v rows only
             k, v = kv.view(ctx.shape[0], 2 * attn.num_kv_heads, attn.head_dim).chunk(2, dim=1)
-            if attn.k_norm is not None:
-                k = attn.k_norm(k)
-            out.append((apply_rotary(k, cos, sin), v))
+            out.append((norm_rotary(k, cos, sin, attn.k_norm), v))
         return out
 
     def forward(

@@ -7,16 +7,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashtree.attention.backend import AttentionBackend
 from flashtree.config import ModelConfig
 from flashtree.distributed import get_tp_size
+from flashtree.layers.activation import silu_mul
 from flashtree.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
 from flashtree.layers.norm import RMSNorm
-from flashtree.layers.rotary import RotaryEmbedding, apply_rotary
+from flashtree.layers.rotary import RotaryEmbedding, norm_rotary
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -52,9 +52,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = norm_rotary(q, *rope, self.q_norm), norm_rotary(k, *rope, self.k_norm)
         out = backend.forward(self.layer, q, k, v)  # [n, heads, hd]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -67,8 +65,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -88,8 +85,9 @@ class DecoderLayer(nn.Module):
         return MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), rope, backend)
+        normed, x = self.post_attention_layernorm.add_forward(attn, x)  # x = x + attn
+        return x + self.mlp(normed)
 
 
 # HF checkpoint name suffix -> (module attribute path suffix, shard index) for stacked weights.

@@ -1,0 +1,153 @@
+"""Fused Triton kernels for the elementwise work between a decoder layer's matrix multiplies,
+one launch where eager PyTorch takes four to a dozen: RMSNorm (optionally adding the residual
+first), SiLU-and-multiply, and a per-head RMSNorm followed by rotate-half RoPE.
+
+A decode step is a few hundred small kernels besides its GEMMs; on a GPU each costs a launch
+and a gap in the graph, so their count, not their bytes, sets the step time past the floor.
+Every kernel rounds where the eager code rounds (to the activation dtype after the residual
+add, after the norm, after SiLU), so results match the eager modules up to float32 reduction
+order. Used for CUDA tensors only (`layers/norm.py`, `layers/rotary.py`, `models/llama.py`
+choose); set TRITON_INTERPRET=1 before importing triton to run them on CPU tensors in tests."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    stride_xt, stride_xh, stride_rt, stride_ot, stride_oh, stride_st,
+    num_heads, dim, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per (token, head) row of `dim` elements.
+    t = tl.program_id(0) // num_heads
+    h = tl.program_id(0) % num_heads
+    cols = tl.arange(0, BLOCK)
+    ok = cols < dim
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + t * stride_rt + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + t * stride_st + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, (normed * w).to(x.dtype), mask=ok)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm over the last dim of x: [n, dim] or [n, heads, dim] (any strides but a
+    contiguous last dim). With `residual` ([n, dim]): s = x + residual, rounded to x's dtype,
+    is normalised instead. -> (normalised, [n, heads?, dim] contiguous; s or None)."""
+    dim = x.shape[-1]
+    assert x.stride(-1) == 1 and weight.shape == (dim,), (
+        f"rms_norm needs a contiguous last dim and a [{dim}] weight: x {tuple(x.shape)} "
+        f"strides {x.stride()}, weight {tuple(weight.shape)}")
+    x3 = x.unsqueeze(1) if x.dim() == 2 else x  # [n, heads, dim]
+    n, heads = x3.shape[0], x3.shape[1]
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    total = None
+    if residual is not None:
+        assert x.dim() == 2 and residual.shape == x.shape and residual.stride(-1) == 1, (
+            f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        total = torch.empty_like(x)
+    if n:
+        res, acc = (residual, total) if residual is not None else (x, x)  # unread without
+        _rms_norm_kernel[(n * heads,)](
+            x3, res, weight, out, acc,
+            x3.stride(0), x3.stride(1), res.stride(0), out.stride(0), out.stride(1),
+            acc.stride(0), heads, dim, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(dim),
+        )
+    return out.view(x.shape), total
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    gate = tl.load(x_ptr + t * stride_xt + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + t * stride_xt + inter + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [n, 2 * inter] (gate first) -> silu(gate) * up: [n, inter]."""
+    n, width = gate_up.shape
+    assert width % 2 == 0 and gate_up.stride(-1) == 1, (
+        f"silu_mul needs [n, 2 * inter] with a contiguous last dim, got {tuple(gate_up.shape)}")
+    inter = width // 2
+    out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    if n:
+        _silu_mul_kernel[(n, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
+    stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
+    num_heads, half, eps,
+    HAS_NORM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per (token, head); cos/sin rows hold `half` frequencies twice (rotate-half).
+    t = tl.program_id(0) // num_heads
+    h = tl.program_id(0) % num_heads
+    lo = tl.arange(0, BLOCK)
+    ok = lo < half
+    row = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(row + lo, mask=ok, other=0.0)
+    x2 = tl.load(row + half + lo, mask=ok, other=0.0)
+    if HAS_NORM:
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = 1.0 / tl.sqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * half) + eps)
+        w1 = tl.load(w_ptr + lo, mask=ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half + lo, mask=ok, other=0.0).to(tl.float32)
+        x1 = ((a * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype)
+        x2 = ((b * rstd).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
+    trig = t * stride_ct + lo
+    c1 = tl.load(cos_ptr + trig, mask=ok, other=0.0)
+    c2 = tl.load(cos_ptr + trig + half, mask=ok, other=0.0)
+    s1 = tl.load(sin_ptr + trig, mask=ok, other=0.0)
+    s2 = tl.load(sin_ptr + trig + half, mask=ok, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    out = out_ptr + t * stride_ot + h * stride_oh
+    tl.store(out + lo, (a * c1 - b * s1).to(x1.dtype), mask=ok)
+    tl.store(out + half + lo, (b * c2 + a * s2).to(x1.dtype), mask=ok)
+
+
+def norm_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    weight: torch.Tensor | None = None, eps: float = 0.0,
+) -> torch.Tensor:
+    """Rotate-half RoPE of x: [n, heads, head_dim] (a contiguous last dim, any other strides),
+    after a per-head RMSNorm with `weight` ([head_dim]) when given; cos, sin: [n, 1, head_dim]
+    float32. -> [n, heads, head_dim] contiguous."""
+    n, heads, head_dim = x.shape
+    half = head_dim // 2
+    assert head_dim % 2 == 0 and x.stride(-1) == 1, (
+        f"norm_rope needs an even head_dim and a contiguous last dim, got {tuple(x.shape)} "
+        f"strides {x.stride()}")
+    assert cos.shape == sin.shape == (n, 1, head_dim) and cos.stride() == sin.stride() and (
+        cos.stride(-1) == 1), f"cos/sin {tuple(cos.shape)} {tuple(sin.shape)}, expected " \
+        f"{(n, 1, head_dim)} with a contiguous last dim"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n:
+        _norm_rope_kernel[(n * heads,)](
+            x, x if weight is None else weight, cos, sin, out,
+            x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+            heads, half, eps, HAS_NORM=weight is not None, BLOCK=triton.next_power_of_2(half),
+        )
+    return out

@@ -1,0 +1,37 @@
+"""The fused Triton kernels against transformers' modules, on CPU through Triton's interpreter.
+Skipped where triton is not installed (CI) and where CUDA exists: there
+tests/gpu/test_fused_cuda.py runs the same cases compiled."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/ runs the compiled kernels", allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
+from tests.layers.fused_cases import check_norm_rope, check_rms_norm, check_silu_mul  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,residual,heads", [(96, False, 0), (96, True, 0), (64, False, 3)])
+def test_rms_norm(dtype, dim, residual, heads):
+    check_rms_norm(dtype, "cpu", dim, residual, heads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    check_silu_mul(dtype, "cpu", inter=40)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,with_norm", [(64, False), (64, True), (12, True)])
+def test_norm_rope(dtype, head_dim, with_norm):
+    check_norm_rope(dtype, "cpu", head_dim, with_norm)
