@@ -219,8 +219,8 @@ class LLMEngine:
 
     def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
         """Prefill chunks or one plain decode token per request. With a drafter, the new
-        tokens' context features go to the draft KV cache: a prompt's before its first draft
-        (its first token does not wait for them), a decode step's now."""
+        tokens' context features go to the draft KV cache before the next draft: the first
+        token of a prompt does not wait for them, nor does a plain step the policy chose."""
         mode = Mode.DECODE if chunks[0].decode else Mode.PREFILL
         items = [
             BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
@@ -240,7 +240,8 @@ class LLMEngine:
                     features, tuple((c.seq.seq_id, c.start, c.count) for c in chunks)))
             else:  # one row per request, at the positions and slots the target just wrote
                 batch = self.runner.last_batch
-                self.proposer.write(features, batch.positions, batch.attn.slot_mapping)
+                self.proposer.defer(ContextRows(features, positions=batch.positions,
+                                                slots=batch.attn.slot_mapping))
         if not sampling:
             tokens = []
         elif all_greedy:  # one device sync for the batch

@@ -4,6 +4,8 @@ length, then keep only a chosen subset of those tokens)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashtree.transfer import lists_to_device
@@ -69,6 +71,9 @@ class PageTables:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        # Called before a sequence's pages go back to the free list (by users that hold
+        # slots for later writes).
+        self.before_free: list[Callable[[], None]] = []
 
     @property
     def num_free(self) -> int:
@@ -116,6 +121,8 @@ class PageTables:
         self.lengths[seq_id] = length
 
     def free(self, seq_id: int) -> None:
+        for hook in self.before_free:
+            hook()
         self._free.extend(reversed(self._tables.pop(seq_id, [])))
         self.lengths.pop(seq_id, None)
 

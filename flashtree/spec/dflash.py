@@ -22,16 +22,21 @@ from flashtree.models.llama import DecoderModel
 from flashtree.transfer import lists_to_device, to_device
 
 _GRAPH_CONTEXT_ROWS = 2048  # context rows per injection that replay a captured graph at most
-_MAX_DEFERRED_ROWS = 16384  # prompt rows held for the next draft before injecting them anyway
+_MAX_DEFERRED_ROWS = 16384  # rows held for the next draft before injecting them anyway
 
 
 @dataclass(frozen=True)
 class ContextRows:
-    """Features of committed tokens of one forward, to inject: span (seq_id, start, count)
-    holds that request's tokens [start, start + count), spans in row order."""
+    """Features of committed tokens of one forward, to inject, and where they go: either
+    `spans`, (seq_id, start, count) holding that request's tokens [start, start + count) in
+    row order, whose slots are looked up when injected (a prefill chunk's rows); or the rows'
+    own device `positions` and `slots` (a decode step's: the target batch's, valid until a
+    page changes owner, so deferred ones are injected before any page is freed)."""
 
-    features: torch.Tensor  # [sum of counts, len(target_layer_ids) * hidden]
-    spans: tuple[tuple[int, int, int], ...]
+    features: torch.Tensor  # [rows, len(target_layer_ids) * hidden]
+    spans: tuple[tuple[int, int, int], ...] = ()
+    positions: torch.Tensor | None = None  # [rows] int64
+    slots: torch.Tensor | None = None  # [rows] int64
 
 
 class DFlashProposer:
@@ -58,10 +63,13 @@ class DFlashProposer:
         self._layer_backends = [
             self._backends[kind] for kind in zip(cfg.layer_causal, cfg.layer_windows)
         ]
-        # Context rows of prefill chunks, injected together before the next draft (the
-        # drafter reads nothing in between): the first token of a prompt does not wait.
+        # Context rows of plain steps, injected together before the next draft (the drafter
+        # reads nothing in between): the first token of a prompt does not wait for its rows,
+        # and while the adaptive policy decodes plain the drafter costs nothing per step.
         self._deferred: list[ContextRows] = []
         self._deferred_rows = 0
+        self._deferred_slots = False  # some deferred rows carry device slots
+        pages.before_free.append(self._flush_rows_with_slots)
         self.graphs: GraphRunner | None = None
         self._context_writer: RowGraphs | None = None
 
@@ -90,13 +98,20 @@ class DFlashProposer:
         """Keep rows for the next flush (past _MAX_DEFERRED_ROWS, inject them all now)."""
         self._deferred.append(rows)
         self._deferred_rows += rows.features.shape[0]
+        self._deferred_slots |= rows.slots is not None
         if self._deferred_rows > _MAX_DEFERRED_ROWS:
             self.flush()
 
     def flush(self) -> None:
         """Inject the deferred rows in one batch."""
         rows, self._deferred, self._deferred_rows = self._deferred, [], 0
+        self._deferred_slots = False
         self.inject(rows)
+
+    def _flush_rows_with_slots(self) -> None:
+        """Before pages go back to the pool: deferred device slots may be handed on next."""
+        if self._deferred_slots:
+            self.flush()
 
     @torch.inference_mode()
     def inject(self, rows: list[ContextRows]) -> None:
@@ -105,26 +120,28 @@ class DFlashProposer:
         belong to another request) go to the scratch slot: a recompute injects its own."""
         if not rows:
             return
-        features = torch.cat([r.features for r in rows]) if len(rows) > 1 else rows[0].features
+        positions, slots = zip(*(self._placement(r) for r in rows))
+        features, positions, slots = (torch.cat(t) if len(rows) > 1 else t[0] for t in
+                                      ([r.features for r in rows], positions, slots))
+        if self._context_writer is not None:
+            self._context_writer(features, positions, slots)
+        else:
+            self._write_context(features, positions, slots)
+
+    def _placement(self, rows: ContextRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device positions and draft-cache slots ([rows] each) of `rows`."""
+        if rows.positions is not None and rows.slots is not None:
+            return rows.positions, rows.slots
         positions: list[int] = []
         slots: list[int] = []
-        for seq_id, start, count in (span for r in rows for span in r.spans):
+        for seq_id, start, count in rows.spans:
             positions += range(start, start + count)
             if start + count <= self.pages.lengths.get(seq_id, 0):
                 slots += self.pages.slots(seq_id, start, count)
             else:
                 slots += [self.pages.scratch_slot] * count
-        self.write(features, *lists_to_device([positions, slots], self.device))
-
-    @torch.inference_mode()
-    def write(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
-              ) -> None:
-        """Context K/V of rows whose positions and draft-cache slots are already on the device
-        ([n] each; a target forward's own, since the caches share page tables)."""
-        if self._context_writer is not None:
-            self._context_writer(features, positions, slots)
-        else:
-            self._write_context(features, positions, slots)
+        position_t, slot_t = lists_to_device([positions, slots], self.device)
+        return position_t, slot_t
 
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor) -> tuple[()]:

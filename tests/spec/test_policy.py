@@ -312,3 +312,71 @@ def test_deferred_context_rows_reach_only_committed_positions(small_pair, tmp_pa
     proposer.defer(ContextRows(torch.ones(2, width), ((5, 3, 1), (6, 0, 1))))
     assert written[1] == ([0, 1, 2, 3, 0], pages.slots(5, 0, 4) + [scratch])
 
+
+
+def test_deferred_decode_rows_land_before_their_pages_are_freed(small_pair, tmp_path,
+                                                                monkeypatch):
+    """A plain decode step's rows carry the target batch's own device slots, valid only while
+    their pages keep their owner: any free injects every deferred row first, in order."""
+    from flashtree.spec.dflash import ContextRows
+
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    target, drafter = small_pair
+    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
+              skip_tokenizer_init=True, page_size=4)
+    proposer, pages = llm.engine.proposer, llm.engine.pages
+    width = proposer.draft.fc.in_features
+    pages.reserve(5, 8)
+    pages.set_length(5, 5)
+    proposer.defer(ContextRows(torch.ones(2, width), ((5, 0, 2),)))
+    decode_slot = pages.slots(5, 4, 1)
+    proposer.defer(ContextRows(torch.ones(1, width), positions=torch.tensor([4]),
+                               slots=torch.tensor(decode_slot)))
+    written = []
+    monkeypatch.setattr(proposer, "_write_context",
+                        lambda f, pos, slots: written.append((pos.tolist(), slots.tolist())))
+    pages.reserve(7, 4)
+    assert written == []  # held while no page changes owner
+    pages.free(7)
+    assert written == [([0, 1, 4], pages.slots(5, 0, 2) + decode_slot)]
+    pages.free(5)
+    assert len(written) == 1  # nothing is injected twice
+
+
+@torch.inference_mode()
+def test_plain_steps_chosen_by_the_policy_fill_the_draft_cache(small_pair, tmp_path,
+                                                              monkeypatch):
+    """While the adaptive policy decodes plain, each step's context rows wait; when the request
+    finishes they are in the draft cache at its slots: the drafter's context K/V of the
+    target's features for every committed token, as a fresh prefill of them computes it."""
+    from flashtree.engine.forward_batch import BatchItem, Mode
+    from flashtree.spec.policy import SpecPolicy
+
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(SpecPolicy, "should_draft", lambda self, requests: False)
+    target, drafter = small_pair
+    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
+              skip_tokenizer_init=True, page_size=4)
+    engine, pages = llm.engine, llm.engine.pages
+    tables: dict[int, list[int]] = {}
+    free = pages.free
+
+    def recording_free(seq_id: int) -> None:
+        tables[seq_id] = list(pages.table(seq_id))
+        free(seq_id)
+
+    monkeypatch.setattr(pages, "free", recording_free)
+    prompt = [1, 2, 3, 4, 0, 1]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    tokens = prompt + out[0].outputs[0].token_ids[:-1]  # committed: the last has no KV yet
+    assert set(out[0].outputs[0].spec_accept_lengths) == {1}  # every step was plain
+    (table,) = tables.values()
+    p = pages.page_size
+    slots = torch.tensor([table[i // p] * p + i % p for i in range(len(tokens))])
+
+    pages.reserve(99, len(tokens))
+    _, features = engine.runner.forward(Mode.PREFILL, [BatchItem(99, 0, tokens)])
+    expected = engine.proposer.draft.context_kv(features, torch.arange(len(tokens)))
+    for layer, (k, v) in enumerate(expected):
+        torch.testing.assert_close(engine.proposer.cache.k[layer][slots], k, atol=1e-4, rtol=0)
+        torch.testing.assert_close(engine.proposer.cache.v[layer][slots], v, atol=1e-4, rtol=0)
