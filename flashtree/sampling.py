@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashtree.transfer import to_device
+
 
 @dataclass
 class SamplingParams:
@@ -100,8 +102,7 @@ def penalize_rows(
     vocab, device = logits.shape[-1], logits.device
     counts = torch.zeros(vocab, dtype=logits.dtype, device=device)
     if output_ids:
-        counts = torch.bincount(torch.tensor(output_ids, device=device),
-                                minlength=vocab).to(logits.dtype)
+        counts = torch.bincount(to_device(output_ids, device), minlength=vocab).to(logits.dtype)
     counts = counts.expand_as(logits)
     if extra_counts is not None:
         counts = counts + extra_counts.to(logits.dtype)
@@ -109,7 +110,7 @@ def penalize_rows(
         seen = counts > 0
         if prompt_ids:
             in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-            in_prompt[torch.tensor(prompt_ids, device=device)] = True
+            in_prompt[to_device(prompt_ids, device)] = True
             seen = seen | in_prompt
         penalty = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty),
@@ -156,7 +157,7 @@ def inverse_cdf(probs: torch.Tensor, u: list[float]) -> torch.Tensor:
     """The token of each row whose cumulative probability interval holds u: an exact draw from
     the row's distribution when u is uniform. probs: [m, vocab] -> [m] int64."""
     cdf = probs.double().cumsum(-1)  # [m, vocab]
-    target = torch.tensor(u, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]
+    target = to_device(u, probs.device, torch.float64)[:, None] * cdf[:, -1:]
     picks = torch.searchsorted(cdf, target, right=True)[:, 0]  # first index with cdf > target
     # Rounding can put the target at the very end; never return a zero-probability token.
     vocab_ids = torch.arange(probs.shape[-1], device=probs.device)
@@ -193,7 +194,8 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
             p = r.params
             groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
     for members in groups.values():
-        probs = probabilities(logits[members], rows[members[0]].params)  # [len(members), vocab]
+        index = to_device(members, logits.device)
+        probs = probabilities(logits[index], rows[members[0]].params)  # [len(members), vocab]
         u = [uniform(rows[i].seed, len(rows[i].output_ids)) for i in members]
-        picks[members] = inverse_cdf(probs, u)
+        picks[index] = inverse_cdf(probs, u)
     return picks.tolist()

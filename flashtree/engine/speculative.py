@@ -172,18 +172,20 @@ class SpeculativeDecoder:
         assert features is not None, "verify must capture the drafter's target layers"
         if all_greedy:
             return self._greedy_walks(plans, logits), features
-        walks, base = [], 0
+        rows, base = [], 0
         for seq, plan in zip(seqs, plans):
             n = len(plan.cand.tokens)
-            rows = self._processed_rows(seq, plan.cand, logits[base : base + n])
+            rows.append(self._processed_rows(seq, plan.cand, logits[base : base + n]))
+            base += n
+        decisions = self._node_decisions(seqs, plans, rows)
+        walks = []
+        for seq, plan, seq_rows, seq_decisions in zip(seqs, plans, rows, decisions):
             if plan.draft_probs is not None:
                 walks.append(walk_rrs(plan.cand.children, plan.depths,
-                                      lambda v, _prev, rows=rows: rows[v], plan.draft_probs,
+                                      lambda v, _prev, r=seq_rows: r[v], plan.draft_probs,
                                       GeneratorDraws(seq.generator)))
             else:
-                decisions = self._node_decisions(seq, rows, plan.depths)
-                walks.append(walk(plan.cand.children, lambda v, _prev, d=decisions: d[v]))
-            base += n
+                walks.append(walk(plan.cand.children, lambda v, _prev, d=seq_decisions: d[v]))
         return walks, features
 
     def _verify_tree_batch(self, seqs: list[Sequence], trees: _TreeBatch
@@ -433,18 +435,29 @@ class SpeculativeDecoder:
         visible = cand.visible
         if visible is None:  # a chain: each node's path is every node up to it
             visible = causal_mask(n, logits.device)
-        path_tokens = torch.tensor(cand.tokens[1:], dtype=torch.long, device=logits.device)
+        path_tokens = to_device(cand.tokens[1:], logits.device)
         one_hot = torch.nn.functional.one_hot(path_tokens, vocab).to(logits.dtype)  # [n-1, V]
         path_counts = visible[:, 1:].to(device=logits.device, dtype=logits.dtype) @ one_hot
         rows = penalize_rows(logits, seq.params, seq.prompt_ids, seq.output_ids, path_counts)
         return rows if seq.params.greedy else probabilities(rows, seq.params)
 
     @staticmethod
-    def _node_decisions(seq: Sequence, rows: torch.Tensor, depths: list[int]) -> list[int]:
-        """The target's decision at every node: argmax, or a draw from the node's own
-        distribution with the uniform of the output position it decides (sample-and-match;
-        plain decoding draws that position with the same uniform); one host sync per request."""
-        if seq.params.greedy:
-            return rows.argmax(dim=-1).tolist()
-        base = len(seq.output_ids)  # the root decides output position base
-        return inverse_cdf(rows, [uniform(seq.seed, base + d) for d in depths]).tolist()
+    def _node_decisions(seqs: list[Sequence], plans: list[_Planned], rows: list[torch.Tensor]
+                        ) -> list[list[int] | None]:
+        """The target's decision at every node of every request but RRS ones (None): argmax,
+        or a draw from the node's own distribution with the uniform of the output position it
+        decides (sample-and-match; plain decoding draws that position with the same uniform).
+        One device read for the batch."""
+        picks = []
+        for seq, plan, seq_rows in zip(seqs, plans, rows):
+            if plan.draft_probs is not None:
+                continue
+            if seq.params.greedy:
+                picks.append(seq_rows.argmax(dim=-1))
+            else:
+                base = len(seq.output_ids)  # the root decides output position base
+                picks.append(inverse_cdf(seq_rows,
+                                         [uniform(seq.seed, base + d) for d in plan.depths]))
+        flat = iter(torch.cat(picks).tolist() if picks else [])
+        return [None if plan.draft_probs is not None
+                else list(itertools.islice(flat, len(plan.cand.tokens))) for plan in plans]
