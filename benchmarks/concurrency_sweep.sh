@@ -4,7 +4,8 @@
 #
 #   benchmarks/concurrency_sweep.sh MODEL DRAFT OUT_DIR [RUNS]
 #
-# Each run writes OUT_DIR/runK/{low,high}_concurrency/ (`flashtree bench` reports and plots).
+# Each run writes OUT_DIR/runK/{low,high}_concurrency/ (`flashtree bench` reports and plots);
+# OUT_DIR/summary.{md,png} then sums up every run there (benchmarks/sweep_summary.py).
 # Sizes can be changed through the environment: LOW_CONC, LOW_PROMPTS, LOW_TOKENS, HIGH_CONC,
 # HIGH_PROMPTS, HIGH_TOKENS; FIRST_RUN=K starts at run K (seed K, order rotated K - 1 times), so
 # that runs can be split between processes, e.g. one per GPU.
@@ -36,3 +37,4 @@ for ((run = first; run < first + runs; run++)); do
         --num-prompts "${HIGH_PROMPTS:-768}" --max-tokens "${HIGH_TOKENS:-96}" \
         --output-dir "$out/run$run/high_concurrency"
 done
+python3 "$(dirname "$0")/sweep_summary.py" "$out"

@@ -1,0 +1,110 @@
+"""Summary of a `benchmarks/concurrency_sweep.sh` output: per concurrency and spec, each run's
+output throughput relative to `none` in the same run, their mean and range, the adaptive
+policy's mean budget, and one plot of throughput vs concurrency (mean, with the runs' range)
+beside the ratios to `none`.
+
+    python benchmarks/sweep_summary.py OUT_DIR   # writes OUT_DIR/summary.md and summary.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flashtree.bench.report import mean_budget, read_rows  # noqa: E402
+
+Key = tuple[str, int]  # (spec, concurrency)
+
+
+def collect(out_dir: Path) -> tuple[list[str], dict[Key, list[dict]]]:
+    """Run names and, per (spec, concurrency), the row of each run (in run order)."""
+    runs = sorted((p for p in out_dir.glob("run*") if p.is_dir()), key=lambda p: int(p.name[3:]))
+    rows: dict[Key, list[dict]] = defaultdict(list)
+    for run in runs:
+        for path in sorted(run.glob("*/results.jsonl")):
+            for r in read_rows(path):
+                rows[(r["spec"], r["concurrency"])].append(r)
+    if not rows:
+        raise SystemExit(f"no run*/*/results.jsonl under {out_dir}")
+    return [r.name for r in runs], rows
+
+
+def summarize(out_dir: Path) -> list[Path]:
+    runs, rows = collect(out_dir)
+    specs = sorted({s for s, _ in rows}, key=lambda s: (s != "none", s != "ddtree", s))
+    levels = sorted({c for _, c in rows})
+    lines = ["# Concurrency sweep summary", "",
+             f"Runs: {', '.join(runs)}. Output tokens/s relative to `none` in the same run "
+             "(`flashtree bench` reports in each run's folders).", "",
+             "| concurrency | spec | " + " | ".join(runs) + " | mean | min | mean budget |",
+             "|---:|---|" + "---:|" * (len(runs) + 3)]
+    for c in levels:
+        for spec in specs:
+            ratios = [r["speedup_vs_none"] for r in rows.get((spec, c), [])]
+            if not ratios or spec == "none":
+                continue
+            budgets = [b for r in rows[(spec, c)]
+                       if (b := mean_budget(r.get("budget_histogram"))) is not None]
+            budget = f"{statistics.mean(budgets):.1f}" if budgets else "-"
+            lines.append(f"| {c} | {spec} | " + " | ".join(f"{x:.2f}" for x in ratios)
+                         + f" | **{statistics.mean(ratios):.2f}** | {min(ratios):.2f} | "
+                         f"{budget} |")
+    plot = _plot(out_dir, specs, levels, rows)
+    lines += ["", f"![throughput vs concurrency]({plot.name})", ""]
+    summary = out_dir / "summary.md"
+    summary.write_text("\n".join(lines))
+    return [summary, plot]
+
+
+def _plot(out_dir: Path, specs: list[str], levels: list[int], rows: dict[Key, list[dict]]
+          ) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for spec in specs:
+        pts = [(c, [r["output_throughput"] for r in rows[(spec, c)]],
+                [r["speedup_vs_none"] for r in rows[(spec, c)]])
+               for c in levels if rows.get((spec, c))]
+        cs = [c for c, _, _ in pts]
+        means = [statistics.mean(t) for _, t, _ in pts]
+        spread = [[m - min(t) for m, (_, t, _) in zip(means, pts)],
+                  [max(t) - m for m, (_, t, _) in zip(means, pts)]]
+        left.errorbar(cs, means, yerr=spread, marker="o", capsize=3, label=spec)
+        right.plot(cs, [statistics.mean(r) for _, _, r in pts], marker="o", label=spec)
+        for c, _, r in pts:
+            right.scatter([c] * len(r), r, s=8, alpha=0.4, color=right.lines[-1].get_color())
+    for ax, ylabel in ((left, "output tokens/s (mean; bars: range of runs)"),
+                       (right, "throughput / none's, same run (dots: runs)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.legend()
+    left.set_yscale("log")
+    right.axhline(1.0, color="gray", linewidth=0.8)
+    fig.suptitle("none / fixed / adaptive speculation vs concurrency")
+    fig.tight_layout()
+    path = out_dir / "summary.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir", type=Path, help="the sweep's OUT_DIR (holding run1, run2, ...)")
+    for path in summarize(ap.parse_args().out_dir):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
