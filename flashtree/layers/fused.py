@@ -47,8 +47,9 @@ def rms_norm(
     contiguous last dim). With `residual` ([n, dim]): s = x + residual, rounded to x's dtype,
     is normalised instead. -> (normalised, [n, heads?, dim] contiguous; s or None)."""
     dim = x.shape[-1]
-    assert x.stride(-1) == 1 and weight.shape == (dim,), (
-        f"rms_norm needs a contiguous last dim and a [{dim}] weight: x {tuple(x.shape)} "
+    assert x.dim() in (2, 3) and x.stride(-1) == 1 and weight.shape == (dim,), (
+        f"rms_norm needs [n, dim] or [n, heads, dim] with a contiguous last dim and a [{dim}] "
+        f"weight: x {tuple(x.shape)} "
         f"strides {x.stride()}, weight {tuple(weight.shape)}")
     x3 = x.unsqueeze(1) if x.dim() == 2 else x  # [n, heads, dim]
     n, heads = x3.shape[0], x3.shape[1]
