@@ -177,13 +177,14 @@ def test_tree_build_captured_at_start_covers_every_step(small_pair, tmp_path, mo
     spec = llm.engine.speculative
     spec.policy.cost = _cost(per_token=0.05, draft=0.2)  # budgets differ by request and step
     cpu, buckets = torch.device("cpu"), [1, 2, 4]
-    spec._tree_levels = RowGraphs(spec._tree_levels.fn, buckets, cpu, use_cuda_graphs=False)
-    spec._tree_nodes = RowGraphs(spec._tree_nodes.fn, buckets, cpu, use_cuda_graphs=False)
-    spec._capture_tree_graphs(buckets)
-    captured = set(spec._tree_levels._entries), set(spec._tree_nodes._entries)
+    planner = spec.planner
+    planner.tree_levels = RowGraphs(planner.tree_levels.fn, buckets, cpu, use_cuda_graphs=False)
+    planner.tree_nodes = RowGraphs(planner.tree_nodes.fn, buckets, cpu, use_cuda_graphs=False)
+    planner.capture_tree_graphs(buckets)
+    captured = set(planner.tree_levels._entries), set(planner.tree_nodes._entries)
     assert len(captured[1]) == len(buckets) * (len(spec.policy.levels) - 1)
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    assert (set(spec._tree_levels._entries), set(spec._tree_nodes._entries)) == captured
+    assert (set(planner.tree_levels._entries), set(planner.tree_nodes._entries)) == captured
     assert len(spec.stats.budgets) >= 3, spec.stats.budgets
 
 
