@@ -71,12 +71,23 @@ class AttentionBackend(ABC):
     def begin_forward(self, meta: AttentionMetadata) -> None:
         """Precompute whatever all layers of this forward share (gather indices, masks)."""
 
+    @property
     @abstractmethod
+    def slot_mapping(self) -> torch.Tensor:
+        """[num_tokens] flat cache slots of the current forward's new tokens."""
+
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q: [num_tokens, heads, hd]; k, v: [num_tokens, kv_heads, hd] -> [num_tokens, heads, hd].
         Writes k, v into the cache at the slots of the current forward first."""
+        self.cache.write(layer, self.slot_mapping, k, v)
+        return self.attend(layer, q)
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """`forward` once the new tokens' K/V are in the cache (written there by the caller, at
+        `slot_mapping`): q [num_tokens, heads, hd] -> [num_tokens, heads, hd]."""
 
     def forward_latent(
         self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int, scale: float

@@ -68,11 +68,11 @@ class SdpaBackend(AttentionBackend):
             padded_index = row * max_q + offset
         self.plan = _Plan(meta.slot_mapping, kv_slots, visible.unsqueeze(1), padded_index)
 
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        plan = self._plan()
-        self.cache.write(layer, plan.slot_mapping, k, v)
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self._plan().slot_mapping
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         keys = self._gather(self.cache.k[layer])
         assert self.cache.v is not None, "forward needs a cache with values"
         return self._attend(q, keys, self._gather(self.cache.v[layer]), None)

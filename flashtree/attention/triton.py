@@ -232,13 +232,15 @@ class TritonBackend(AttentionBackend):
         )
         self.launch = _Launch(meta, meta.kv_lens if mask is None else mask.view(torch.uint8))
 
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        assert self.launch is not None, "begin_forward must run before the layers"
+        return self.launch.meta.slot_mapping
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         launch = self.launch
         assert launch is not None, "begin_forward must run before the layers"
         meta = launch.meta
-        self.cache.write(layer, meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, kv_heads, hd]
         heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[1]

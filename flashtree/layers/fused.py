@@ -98,12 +98,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _norm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slots_ptr, v_ptr, v_out_ptr,
     stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
-    num_heads, half, eps,
-    HAS_NORM: tl.constexpr, BLOCK: tl.constexpr,
+    stride_vt, stride_vh, stride_vot, stride_voh,
+    num_heads, half, v_dim, eps,
+    HAS_NORM: tl.constexpr, TO_SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+    V_BLOCK: tl.constexpr,
 ):
     # One program per (token, head); cos/sin rows hold `half` frequencies twice (rotate-half).
+    # TO_SLOTS: the result goes to row slots[t] of out (a KV cache), and v's row beside it.
     t = tl.program_id(0) // num_heads
     h = tl.program_id(0) % num_heads
     lo = tl.arange(0, BLOCK)
@@ -124,9 +127,16 @@ def _norm_rope_kernel(
     s1 = tl.load(sin_ptr + trig, mask=ok, other=0.0)
     s2 = tl.load(sin_ptr + trig + half, mask=ok, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    out = out_ptr + t * stride_ot + h * stride_oh
-    tl.store(out + lo, (a * c1 - b * s1).to(x1.dtype), mask=ok)
-    tl.store(out + half + lo, (b * c2 + a * s2).to(x1.dtype), mask=ok)
+    o = t
+    if TO_SLOTS:
+        o = tl.load(slots_ptr + t)
+        vd = tl.arange(0, V_BLOCK)
+        v_ok = vd < v_dim
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + vd, mask=v_ok, other=0.0)
+        tl.store(v_out_ptr + o * stride_vot + h * stride_voh + vd, v, mask=v_ok)
+    out = out_ptr + o * stride_ot + h * stride_oh
+    tl.store(out + lo, (a * c1 - b * s1).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out + half + lo, (b * c2 + a * s2).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def norm_rope(
@@ -136,6 +146,33 @@ def norm_rope(
     """Rotate-half RoPE of x: [n, heads, head_dim] (a contiguous last dim, any other strides),
     after a per-head RMSNorm with `weight` ([head_dim]) when given; cos, sin: [n, 1, head_dim]
     float32. -> [n, heads, head_dim] contiguous."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _norm_rope(x, cos, sin, weight, eps, out, None, None, None)
+    return out
+
+
+def norm_rope_to_cache(
+    k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    weight: torch.Tensor | None = None, eps: float = 0.0,
+) -> None:
+    """`norm_rope` of k written to rows `slots` of k_cache, and v copied to the same rows of
+    v_cache, in one kernel. k: [n, kv_heads, head_dim], v: [n, kv_heads, v_dim]; caches:
+    [cache slots, kv_heads, dim]; slots: [n] int64."""
+    assert slots.shape == (k.shape[0],) and v.shape[:2] == k.shape[:2], (
+        f"k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)}")
+    assert k_cache.shape[1:] == k.shape[1:] and v_cache.shape[1:] == v.shape[1:] and (
+        k_cache.stride(-1) == v_cache.stride(-1) == v.stride(-1) == 1), (
+        f"caches {tuple(k_cache.shape)} {tuple(v_cache.shape)} for k {tuple(k.shape)}, "
+        f"v {tuple(v.shape)}")
+    _norm_rope(k, cos, sin, weight, eps, k_cache, slots, v, v_cache)
+
+
+def _norm_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None,
+    eps: float, out: torch.Tensor, slots: torch.Tensor | None, v: torch.Tensor | None,
+    v_out: torch.Tensor | None,
+) -> None:
     n, heads, head_dim = x.shape
     half = head_dim // 2
     assert head_dim % 2 == 0 and x.stride(-1) == 1, (
@@ -144,11 +181,14 @@ def norm_rope(
     assert cos.shape == sin.shape == (n, 1, head_dim) and cos.stride() == sin.stride() and (
         cos.stride(-1) == 1), f"cos/sin {tuple(cos.shape)} {tuple(sin.shape)}, expected " \
         f"{(n, 1, head_dim)} with a contiguous last dim"
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n:
-        _norm_rope_kernel[(n * heads,)](
-            x, x if weight is None else weight, cos, sin, out,
-            x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
-            heads, half, eps, HAS_NORM=weight is not None, BLOCK=triton.next_power_of_2(half),
-        )
-    return out
+    if not n:
+        return
+    to_slots = slots is not None and v is not None and v_out is not None
+    v, v_out = (v, v_out) if to_slots else (x, out)  # unread without slots
+    _norm_rope_kernel[(n * heads,)](
+        x, x if weight is None else weight, cos, sin, out, slots if to_slots else x, v, v_out,
+        x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+        v.stride(0), v.stride(1), v_out.stride(0), v_out.stride(1),
+        heads, half, v.shape[-1], eps, HAS_NORM=weight is not None, TO_SLOTS=to_slots,
+        BLOCK=triton.next_power_of_2(half), V_BLOCK=triton.next_power_of_2(v.shape[-1]),
+    )

@@ -4,12 +4,16 @@ the interleaved pair layout DeepSeek's MLA uses."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from flashtree.config import RopeConfig
 from flashtree.layers import fused_kernels_apply
 from flashtree.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from flashtree.attention.backend import AttentionBackend
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -114,6 +118,22 @@ def norm_rotary(
             return norm_rope(x, cos, sin)
         return norm_rope(x, cos, sin, norm.weight, norm.eps)
     return apply_rotary(x if norm is None else norm(x), cos, sin)
+
+
+def write_rotary_kv(
+    k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    norm: RMSNorm | None, backend: AttentionBackend, layer: int,
+) -> None:
+    """`norm_rotary` of the keys written straight to `backend`'s cache of `layer` at the
+    current forward's slots, the values copied beside them: one kernel where `norm_rotary`
+    and the cache write take three (CUDA only). k: [n, kv_heads, head_dim], v: [n, kv_heads,
+    v_dim]."""
+    from flashtree.layers.fused import norm_rope_to_cache
+
+    cache = backend.cache
+    assert cache.v is not None, "write_rotary_kv needs a cache with values"
+    norm_rope_to_cache(k, v, cos, sin, cache.k[layer], cache.v[layer], backend.slot_mapping,
+                       None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,12 @@ from torch import nn
 from flashtree.attention.backend import AttentionBackend
 from flashtree.config import ModelConfig
 from flashtree.distributed import get_tp_size
+from flashtree.layers import fused_kernels_apply
 from flashtree.layers.activation import silu_mul
 from flashtree.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
 from flashtree.layers.norm import RMSNorm
-from flashtree.layers.rotary import RotaryEmbedding, norm_rotary
+from flashtree.layers.rotary import RotaryEmbedding, norm_rotary, write_rotary_kv
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -52,8 +53,12 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = norm_rotary(q, *rope, self.q_norm), norm_rotary(k, *rope, self.k_norm)
-        out = backend.forward(self.layer, q, k, v)  # [n, heads, hd]
+        q = norm_rotary(q, *rope, self.q_norm)
+        if fused_kernels_apply(k):  # k roped straight into the cache, v beside it
+            write_rotary_kv(k, v, *rope, self.k_norm, backend, self.layer)
+            out = backend.attend(self.layer, q)  # [n, heads, hd]
+        else:
+            out = backend.forward(self.layer, q, norm_rotary(k, *rope, self.k_norm), v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 

@@ -17,7 +17,12 @@ pytest.importorskip("triton", reason="needs triton")
 
 from flashtree.models.loader import load_hf_model  # noqa: E402
 from tests.helpers import PagedHarness, load_reference, save_checkpoint  # noqa: E402
-from tests.layers.fused_cases import check_norm_rope, check_rms_norm, check_silu_mul  # noqa: E402
+from tests.layers.fused_cases import (  # noqa: E402
+    check_norm_rope,
+    check_norm_rope_to_cache,
+    check_rms_norm,
+    check_silu_mul,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -66,3 +71,9 @@ def test_model_logits_on_cuda_match_transformers(tmp_path, arch, overrides):
         assert ours_err <= 1e-3, errors
     for ours_err, theirs_err in errors[torch.bfloat16]:
         assert ours_err <= 2 * theirs_err + 1e-2, errors
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,with_norm", [(64, False), (12, True)])
+def test_norm_rope_to_cache_on_cuda(dtype, head_dim, with_norm):
+    check_norm_rope_to_cache(dtype, "cuda", head_dim, with_norm)

@@ -82,3 +82,34 @@ def check_norm_rope(dtype: torch.dtype, device: str, head_dim: int, with_norm: b
                                         cos[None, :, 0], sin[None, :, 0])
     torch.testing.assert_close(ours_q, ref_q[0].transpose(0, 1).to(dtype), **TOLERANCE[dtype])
     torch.testing.assert_close(ours_k, ref_k[0].transpose(0, 1).to(dtype), **TOLERANCE[dtype])
+
+
+def check_norm_rope_to_cache(dtype: torch.dtype, device: str, head_dim: int, with_norm: bool,
+                             seed: int = 0) -> None:
+    """Keys roped (after the norm) straight into scattered cache rows and values copied beside
+    them; every other cache row keeps its contents."""
+    torch.manual_seed(seed)
+    n, kv_heads, slots_total, eps = 5, 2, 23, 1e-6
+    kv = torch.randn(n, 2 * kv_heads * head_dim, device=device).to(dtype)
+    k = kv[:, : kv_heads * head_dim].view(n, kv_heads, head_dim)
+    v = kv[:, kv_heads * head_dim:].view(n, kv_heads, head_dim)
+    k_cache = torch.randn(slots_total, kv_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn(slots_total, kv_heads, head_dim, device=device).to(dtype)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(slots_total, device=device)[:n]
+    emb = torch.rand(n, 1, head_dim // 2, device=device) * 100
+    emb = torch.cat((emb, emb), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    weight = torch.randn(head_dim, device=device).to(dtype) if with_norm else None
+    fused.norm_rope_to_cache(k, v, cos, sin, k_cache, v_cache, slots, weight, eps)
+    source = _reference_norm(k, weight, eps) if weight is not None else k
+    ref_k, _ = apply_rotary_pos_emb(source.float().transpose(0, 1)[None],
+                                    source.float().transpose(0, 1)[None],
+                                    cos[None, :, 0], sin[None, :, 0])
+    torch.testing.assert_close(k_cache[slots], ref_k[0].transpose(0, 1).to(dtype),
+                               **TOLERANCE[dtype])
+    assert torch.equal(v_cache[slots], v)
+    others = torch.ones(slots_total, dtype=torch.bool, device=device)
+    others[slots] = False
+    assert torch.equal(k_cache[others], before_k[others])
+    assert torch.equal(v_cache[others], before_v[others])

@@ -15,7 +15,12 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
-from tests.layers.fused_cases import check_norm_rope, check_rms_norm, check_silu_mul  # noqa: E402
+from tests.layers.fused_cases import (  # noqa: E402
+    check_norm_rope,
+    check_norm_rope_to_cache,
+    check_rms_norm,
+    check_silu_mul,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -35,3 +40,9 @@ def test_silu_mul(dtype):
 @pytest.mark.parametrize("head_dim,with_norm", [(64, False), (64, True), (12, True)])
 def test_norm_rope(dtype, head_dim, with_norm):
     check_norm_rope(dtype, "cpu", head_dim, with_norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,with_norm", [(64, False), (12, True)])
+def test_norm_rope_to_cache(dtype, head_dim, with_norm):
+    check_norm_rope_to_cache(dtype, "cpu", head_dim, with_norm)
