@@ -93,7 +93,7 @@ class LLMEngine:
                                   args.topk_cap, args.tree_sampling)
             self.lookahead = spec_cfg.lookahead
             capture = drafter.cfg.target_layer_ids
-        self.scheduler = Scheduler(args.scheduler, self.pages, lookahead=self.lookahead)
+        self.scheduler = Scheduler(args.scheduler, self.pages)
         self.runner = ModelRunner(model, self.cache, self.pages, capture)
         if self.uses_cuda_graphs:
             self._capture_graphs(spec_cfg if drafter is not None else None)
@@ -204,7 +204,7 @@ class LLMEngine:
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
         if self.speculative is None or not chunks[0].decode:
             return self._plain_step(chunks)
-        speculate = self.speculative.wants_draft(len(chunks))
+        speculate = self.speculative.wants_draft(len(chunks)) and self._reserve_lookahead(chunks)
         start = time.perf_counter()
         if speculate:
             done = self._speculative_step(chunks)
@@ -216,6 +216,17 @@ class LLMEngine:
         if policy is not None and get_tp_size() == 1:
             policy.observe_step(speculate, len(chunks), time.perf_counter() - start)
         return done
+
+    def _reserve_lookahead(self, chunks: list[ScheduledChunk]) -> bool:
+        """Pages for what a speculative step writes past each sequence (its draft block and
+        candidates). When they are not free the step runs plain instead of preempting anyone;
+        plain steps never hold them."""
+        wanted = [(c.seq.seq_id, c.seq.num_tokens + self.lookahead) for c in chunks]
+        if sum(self.pages.pages_needed(s, n) for s, n in wanted) > self.pages.num_free:
+            return False
+        for seq_id, tokens in wanted:
+            self.pages.reserve(seq_id, tokens)
+        return True
 
     def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
         """Prefill chunks or one plain decode token per request. With a drafter, the new

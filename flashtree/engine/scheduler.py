@@ -27,11 +27,9 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pages: PageTables, lookahead: int = 0) -> None:
+    def __init__(self, cfg: SchedulerConfig, pages: PageTables) -> None:
         self.cfg = cfg
         self.pages = pages
-        # Extra tokens a decode step may write past the sequence (speculative blocks).
-        self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is preempted first
         self.num_preemptions = 0
@@ -86,7 +84,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted by an earlier sequence of this loop
             assert seq.num_uncomputed == 1, f"seq {seq.seq_id}: decode with unfinished prefill"
-            if self._reserve(seq, seq.num_tokens + self.lookahead):
+            if self._reserve(seq, seq.num_tokens):
                 chunks.append(ScheduledChunk(seq, seq.num_computed, 1, decode=True))
         return chunks
 

@@ -381,3 +381,25 @@ def test_plain_steps_chosen_by_the_policy_fill_the_draft_cache(small_pair, tmp_p
     for layer, (k, v) in enumerate(expected):
         torch.testing.assert_close(engine.proposer.cache.k[layer][slots], k, atol=1e-4, rtol=0)
         torch.testing.assert_close(engine.proposer.cache.v[layer][slots], v, atol=1e-4, rtol=0)
+
+
+def test_speculation_without_free_pages_runs_plain_instead_of_preempting(small_pair, tmp_path,
+                                                                         monkeypatch):
+    """12 pages of 4 tokens hold both requests' tokens (5 pages each) but not a 16-node tree's
+    lookahead beside them: those steps decode plain, nobody is preempted, and once the short
+    request is done the long one speculates. Tokens equal plain decoding's."""
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    target, drafter = small_pair
+    prompts = [TINY_PROMPTS[0], TINY_PROMPTS[0][::-1]]  # 7 tokens each
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 13)]
+    common = dict(device="cpu", skip_tokenizer_init=True, page_size=4, kv_cache_pages=12)
+    plain = LLM(model=str(target), **common).generate(prompts, params)
+    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", spec_policy="fixed",
+              tree_budget=15, **common)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions == 0
+    budgets = engine.speculative.stats.budgets
+    assert budgets.get(0, 0) > 0 and budgets.get(15, 0) > 0, budgets
+    assert engine.pages.num_free == engine.pages.num_pages
