@@ -115,7 +115,7 @@ class CandidatePlanner:
         # TP ranks' vocab slices.
         full = cfg.tree_sampling == "rrs" and any(not s.params.greedy for s, _ in drafted)
         logits = self.proposer.draft_logits(
-            [(s.seq_id, s.num_computed, s.output_ids[-1], b) for s, b in drafted], gather=full
+            [(s.seq_id, s.num_computed, s.last_token, b) for s, b in drafted], gather=full
         ) if drafted else None
         rows: dict[int, torch.Tensor] = {}  # seq_id -> [b - 1, V] draft logits
         greedy: dict[int, list[int]] = {}  # seq_id -> the b - 1 argmax drafts
@@ -177,7 +177,7 @@ class CandidatePlanner:
         for j, i in enumerate(chains):
             s = seqs[i]
             drafts = greedy.get(s.seq_id, [])[: lengths[j]]
-            plans[i] = Planned(Candidates.chain(s.output_ids[-1], drafts),
+            plans[i] = Planned(Candidates.chain(s.last_token, drafts),
                                 list(range(len(drafts) + 1)), None, predicted[j])
 
     def _plan_trees(self, seqs: list[Sequence], trees: list[int],
@@ -189,7 +189,7 @@ class CandidatePlanner:
         instead of filling `plans`."""
         cfg = self.cfg
         stacked = torch.stack([rows[seqs[i].seq_id] for i in trees])
-        root_ids = [seqs[i].output_ids[-1] for i in trees]
+        root_ids = [seqs[i].last_token for i in trees]
         roots = to_device(root_ids, stacked.device)
         k = min(cfg.tree_budget, self._vocab_size, cfg.topk_cap or self._vocab_size)
         top_lp, top_tok = self._top_logprobs(stacked, k, full)  # [R, L, k] each
@@ -243,7 +243,7 @@ class CandidatePlanner:
             depth = min(q.shape[0], self.cfg.tree_budget)
             width = max(1, self.cfg.tree_budget // depth)
         tokens, parents = sample_spine_tree(q[:depth], width, seq.generator)
-        tokens, parents = [seq.output_ids[-1], *tokens], [0, *parents]
+        tokens, parents = [seq.last_token, *tokens], [0, *parents]
         depths = [0]
         for v in range(1, len(tokens)):
             depths.append(depths[parents[v]] + 1)

@@ -41,6 +41,12 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 
+    @property
+    def last_token(self) -> int:
+        """The newest token: the root of a speculative step (the last prompt token when a
+        chunked prefill left it for the first decode step)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_ids)
         if end <= p:

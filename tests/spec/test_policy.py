@@ -403,3 +403,23 @@ def test_speculation_without_free_pages_runs_plain_instead_of_preempting(small_p
     budgets = engine.speculative.stats.budgets
     assert budgets.get(0, 0) > 0 and budgets.get(15, 0) > 0, budgets
     assert engine.pages.num_free == engine.pages.num_pages
+
+
+@pytest.mark.parametrize("spec", ["dflash", "ddtree"])
+def test_chunked_prefill_leaving_the_last_prompt_token_speculates_from_it(small_pair, tmp_path,
+                                                                          monkeypatch, spec):
+    """A 6-token prefill budget computes 6 of a 7-token prompt; the next step decodes from the
+    last prompt token (no output yet), speculatively: its root is that prompt token."""
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    target, drafter = small_pair
+    prompt = TINY_PROMPTS[0]
+    assert len(prompt) == 7
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    common = dict(device="cpu", skip_tokenizer_init=True, page_size=4,
+                  max_num_batched_tokens=6)
+    expected = LLM(model=str(target), **common).generate([prompt], sp)[0].outputs[0]
+    llm = LLM(model=str(target), draft=str(drafter), spec=spec, spec_policy="fixed", **common)
+    out = llm.generate([prompt], sp)[0].outputs[0]
+    assert out.token_ids == expected.token_ids
+    # Every decode step speculated, the first one included (12 tokens, no plain budget).
+    assert len(out.spec_accept_lengths) == llm.engine.speculative.stats.num_drafts
