@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-import flashtree.engine.speculative as speculative
+import flashtree.engine.candidates as candidates
 from flashtree import LLM, SamplingParams
 from flashtree.sampling import apply_penalties, probabilities
 from tests.tiny import save_reference_drafter, save_tiny_qwen3
@@ -121,7 +121,7 @@ def test_harness_rejects_min_p_over_q_on_a_top_k_tree(pair, hf_target, monkeypat
             spine = first
         return tokens, parents
 
-    monkeypatch.setattr(speculative, "sample_spine_tree", top_k_tree)
+    monkeypatch.setattr(candidates, "sample_spine_tree", top_k_tree)
     counts = sample_counts(_llm(pair, "ddtree", "rrs"), 1.0)
     assert chi_square_p(counts, exact_law(hf_target, 1.0), SAMPLES) < ALPHA
 
