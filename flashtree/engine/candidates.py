@@ -71,6 +71,9 @@ def _tree_nodes(keys: torch.Tensor, flat: torch.Tensor, top_tok: torch.Tensor,
 
 
 class CandidatePlanner:
+    """Drafts a block per request and turns the blocks into the step's candidates, with the
+    policy's budgets (`policy` None: the full block or tree every step)."""
+
     def __init__(self, cfg: SpecConfig, proposer: DFlashProposer, runner: ModelRunner,
                  policy: SpecPolicy | None) -> None:
         self.cfg, self.proposer, self.policy = cfg, proposer, policy
@@ -81,8 +84,8 @@ class CandidatePlanner:
         buckets = graphs.batch_buckets if graphs is not None else []
         use_graphs = graphs is not None and graphs.use_cuda_graphs
         self.device = runner.device
-        self.tree_levels = RowGraphs(_levels, buckets, runner.device, use_graphs)
-        self.tree_nodes = RowGraphs(_tree_nodes, buckets, runner.device, use_graphs)
+        self.tree_levels = RowGraphs(_levels, buckets, self.device, use_graphs)
+        self.tree_nodes = RowGraphs(_tree_nodes, buckets, self.device, use_graphs)
         if use_graphs and cfg.method == "ddtree":
             self.capture_tree_graphs(buckets)
 
