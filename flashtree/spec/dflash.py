@@ -68,7 +68,6 @@ class DFlashProposer:
         # and while the adaptive policy decodes plain the drafter costs nothing per step.
         self._deferred: list[ContextRows] = []
         self._deferred_rows = 0
-        self._deferred_slots = False  # some deferred rows carry device slots
         pages.before_free.append(self._flush_rows_with_slots)
         self.graphs: GraphRunner | None = None
         self._context_writer: RowGraphs | None = None
@@ -98,19 +97,17 @@ class DFlashProposer:
         """Keep rows for the next flush (past _MAX_DEFERRED_ROWS, inject them all now)."""
         self._deferred.append(rows)
         self._deferred_rows += rows.features.shape[0]
-        self._deferred_slots |= rows.slots is not None
         if self._deferred_rows > _MAX_DEFERRED_ROWS:
             self.flush()
 
     def flush(self) -> None:
         """Inject the deferred rows in one batch."""
         rows, self._deferred, self._deferred_rows = self._deferred, [], 0
-        self._deferred_slots = False
         self.inject(rows)
 
     def _flush_rows_with_slots(self) -> None:
         """Before pages go back to the pool: deferred device slots may be handed on next."""
-        if self._deferred_slots:
+        if any(r.slots is not None for r in self._deferred):
             self.flush()
 
     @torch.inference_mode()
