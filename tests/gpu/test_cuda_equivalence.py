@@ -18,21 +18,26 @@ from tests.tiny import TINY_PROMPTS, save_reference_drafter, save_tiny_qwen3
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 PROMPTS = TINY_PROMPTS
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def _tiny_pair(root: Path) -> tuple[Path, Path]:
+    """A tiny Qwen3 target over 5 tokens and a random reference drafter for it."""
+    target = save_tiny_qwen3(root / "t", seed=5, vocab_size=5, initializer_range=0.3)
+    return target, save_reference_drafter(root / "d", target, seed=7, block_size=8,
+                                          initializer_range=0.3)
 
 
 def check_spec_equals_plain_on_cuda(root: Path) -> dict[str, float]:
-    target = save_tiny_qwen3(root / "t", seed=5, vocab_size=5, initializer_range=0.3)
-    drafter = save_reference_drafter(root / "d", target, seed=7, block_size=8,
-                                     initializer_range=0.3)
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    target, drafter = _tiny_pair(root)
     common = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, page_size=4)
-    plain = LLM(model=str(target), **common).generate(PROMPTS, sp)
+    plain = LLM(model=str(target), **common).generate(PROMPTS, GREEDY)
     expected = [o.outputs[0].token_ids for o in plain]
     means = {}
     for spec, kw in (("dflash", {}), ("ddtree", {"tree_budget": 24})):
         llm = LLM(model=str(target), draft=str(drafter), spec_policy="fixed",
                   spec=spec, **common, **kw)
-        outs = llm.generate(PROMPTS, sp)
+        outs = llm.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == expected, spec
         assert llm.engine.pages.num_free == llm.engine.pages.num_pages
         lengths = [x for o in outs for x in o.outputs[0].spec_accept_lengths]
@@ -53,19 +58,16 @@ def bf16_divergences(root: Path) -> list[str]:
     over the vocabulary). Raises if a gap is more than twice the noise."""
     from transformers import AutoModelForCausalLM
 
-    target = save_tiny_qwen3(root / "t", seed=5, vocab_size=5, initializer_range=0.3)
-    drafter = save_reference_drafter(root / "d", target, seed=7, block_size=8,
-                                     initializer_range=0.3)
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    target, drafter = _tiny_pair(root)
     common = dict(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, page_size=4)
     expected = [o.outputs[0].token_ids for o in LLM(model=str(target), **common).generate(
-        PROMPTS, sp)]
+        PROMPTS, GREEDY)]
     ref32 = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).cuda().eval()
     ref16 = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).cuda().eval()
     report, too_far = [], []
     for spec in ("dflash", "ddtree"):
         outs = LLM(model=str(target), draft=str(drafter), spec=spec, spec_policy="fixed",
-                   **common).generate(PROMPTS, sp)
+                   **common).generate(PROMPTS, GREEDY)
         for prompt, plain, out in zip(PROMPTS, expected, outs):
             ours = out.outputs[0].token_ids
             if ours == plain:

@@ -18,13 +18,12 @@ pytest.importorskip("triton", reason="needs triton")
 from flashtree.models.loader import load_hf_model  # noqa: E402
 from tests.helpers import PagedHarness, load_reference, save_checkpoint  # noqa: E402
 from tests.layers.fused_cases import (  # noqa: E402
+    DTYPES,
     check_norm_rope,
     check_norm_rope_to_cache,
     check_rms_norm,
     check_silu_mul,
 )
-
-DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

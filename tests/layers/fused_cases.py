@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from flashtree.layers import fused
 
+DTYPES = [torch.float32, torch.bfloat16]
 # bf16: two units in the last place (two roundings, each of which the interpreter does by
 # truncation and the compiled kernels to nearest; float32 reduction order differs too).
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5),

@@ -16,13 +16,12 @@ if importlib.util.find_spec("triton") is None:
 
 import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
 from tests.layers.fused_cases import (  # noqa: E402
+    DTYPES,
     check_norm_rope,
     check_norm_rope_to_cache,
     check_rms_norm,
     check_silu_mul,
 )
-
-DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
