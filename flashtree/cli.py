@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "generation so later runs can reuse it")
     train.add_argument("--val-examples", type=int, default=64,
                        help="examples held out to log validation loss and accuracy (0: none)")
+    train.add_argument("--labels", default="target", choices=["target", "tokens"],
+                       help="what each block slot learns: the target's next-token "
+                            "distribution (soft labels) or the data token (the paper's recipe)")
     train.add_argument("--steps", type=int, default=2000)
     train.add_argument("--batch-size", type=int, default=16)
     train.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
@@ -200,7 +203,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
         anchors=args.anchors, lr=args.lr, save_every=args.save_every, seed=args.seed,
         log_every=args.log_every, init_from=args.init_from, time_budget=args.time_budget,
-        max_shard_mb=args.max_shard_mb,
+        max_shard_mb=args.max_shard_mb, labels=args.labels,
         val_examples=min(args.val_examples, len(examples) // 10),  # at most a tenth
     )
     train_drafter(llm, examples, args.out, cfg)

@@ -3,8 +3,11 @@
 Data: the target regenerates responses to a prompt set with flashtree's own batched generation.
 Training: per sequence, random anchors p; each anchor spawns the block `[x_p, mask x (B-1)]` at
 positions p..p+B-1 that sees the target's context features of positions strictly before p plus
-its own block (bidirectional), exactly what inference sees. Cross-entropy at slots k = 1..B-1
-against x_{p+k}, weighted exp(-(k-1)/gamma). The target (embedding, LM head, features) is
+its own block (bidirectional), exactly what inference sees. Cross-entropy at slots k = 1..B-1,
+weighted exp(-(k-1)/gamma), against either the data token x_{p+k} (`labels="tokens"`, the
+published recipe) or the target's own next-token distribution at p+k-1 (`labels="target"`, the
+default: soft labels that carry the target's argmax even where the data token was sampled, and
+its whole distribution for sampled decoding). The target (embedding, LM head, features) is
 frozen; the draft layers, fc, hidden_norm and norm train with AdamW. The drafter is written in
 the z-lab format, loadable by flashtree and by the reference `dflash` package."""
 
@@ -34,6 +37,7 @@ from flashtree.train.prompts import first_line_prompt
 # A time budget fixes the run's length from the speed of steps WARMUP..TIMED (the first steps
 # pay one-time costs: allocator growth, kernel selection).
 _TIMING_WARMUP, _TIMING_STEPS = 10, 30
+LABELS = ("target", "tokens")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class TrainConfig:
     init_from_target: bool = True  # start draft layers from the target's last layers
     init_from: str | None = None  # continue training a drafter saved earlier (same geometry)
     val_examples: int = 0  # examples held out to log validation loss/accuracy (overfitting)
+    labels: str = "target"  # "target": the target's next-token distribution; "tokens": the data
+
+    @property
+    def soft_labels(self) -> bool:
+        return self.labels == "target"
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -66,6 +75,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.val_examples < 0:
             raise ValueError(f"val_examples must be >= 0, got {self.val_examples}")
+        if self.labels not in LABELS:
+            raise ValueError(f"labels must be one of {LABELS}, got {self.labels!r}")
 
 
 @dataclass
@@ -225,6 +236,18 @@ class BlockAttention:
         return out.transpose(1, 2).reshape(s * n, *q.shape[1:])
 
 
+def training_runner(target: DecoderModel, capture_layers: tuple[int, ...], seqs: int,
+                    width: int) -> ModelRunner:
+    """A runner whose paged cache holds `seqs` sequences of up to `width` tokens and whose
+    forwards return the outputs of `capture_layers` for every token."""
+    page = 16
+    pages = PageTables(seqs * (-(-width // page)), page)
+    kv_heads, k_dim, v_dim = target.kv_cache_dims()
+    cache = KVCache(target.cfg.num_layers, pages.num_pages, page, kv_heads, k_dim,
+                    target.norm.weight.dtype, target.norm.weight.device, v_head_dim=v_dim)
+    return ModelRunner(target, cache, pages, capture_layers)
+
+
 def target_features(runner: ModelRunner, examples: list[Example], width: int) -> torch.Tensor:
     """Outputs of the drafter's target layers for every token: [S, T, taps * hidden]."""
     pages = runner.pages
@@ -246,8 +269,11 @@ def target_features(runner: ModelRunner, examples: list[Example], width: int) ->
 def block_loss(
     draft: DFlashDraftModel, target: DecoderModel, examples: list[Example],
     features: torch.Tensor, cfg: TrainConfig, rng: random.Random,
+    last_hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """Weighted cross-entropy of one batch; returns (loss, top-1 accuracy at slot 1)."""
+    """Weighted cross-entropy of one batch; returns (loss, top-1 accuracy at slot 1).
+    features: [S, T, taps * hidden]; last_hidden: [S, T, hidden] outputs of the target's last
+    decoder layer, given for soft labels (the target's distributions), else data tokens."""
     device = features.device
     s, t = features.shape[:2]
     b, a = cfg.block_size, cfg.anchors
@@ -288,15 +314,50 @@ def block_loss(
     hidden = draft(embeds, pos.view(-1), [attn] * len(draft.layers))
     hidden = hidden.view(s, a, b, -1)[:, :, 1:]  # slots 1..B-1
     logits = draft.logits(hidden.to(target.lm_head.weight.dtype), target.lm_head)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, :, 1:].reshape(-1),
-                         reduction="none").view(s, a, b - 1)
+    logits = logits.reshape(-1, logits.shape[-1])  # [S * A * (B-1), vocab]
+    if last_hidden is None:
+        hard = labels[:, :, 1:].reshape(-1)
+        ce = F.cross_entropy(logits, hard, reduction="none")
+    else:
+        teacher = target_log_probs(target, last_hidden, pos[:, :, 1:] - 1)
+        hard = teacher.argmax(-1)
+        ce = F.cross_entropy(logits, teacher.exp(), reduction="none")
     w = weight[1:] * supervised[:, :, 1:]
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    loss = (ce.view(s, a, b - 1) * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():
         first = supervised[:, :, 1]
-        hit = (logits[:, :, 0].argmax(-1) == labels[:, :, 1]) & first
+        hit = (logits.view(s, a, b - 1, -1)[:, :, 0].argmax(-1)
+               == hard.view(s, a, b - 1)[:, :, 0]) & first
         acc = float(hit.sum() / first.sum().clamp(min=1))
     return loss, acc
+
+
+@torch.no_grad()
+def target_log_probs(target: DecoderModel, last_hidden: torch.Tensor,
+                      at: torch.Tensor) -> torch.Tensor:
+    """The target's next-token log-probabilities [n, vocab] (float32) at positions `at`
+    [S, ...] of each sequence, from its last decoder layer's outputs [S, T, hidden]; positions
+    past T read row T-1 (like the padding rows past a sequence's end, never supervised)."""
+    s, t = last_hidden.shape[:2]
+    rows = at.reshape(s, -1).clamp(max=t - 1)
+    h = last_hidden.gather(1, rows[:, :, None].expand(-1, -1, last_hidden.shape[-1]))
+    h = h.reshape(-1, last_hidden.shape[-1]).to(target.norm.weight.dtype)
+    return F.log_softmax(target.compute_logits(target.norm(h)), dim=-1)
+
+
+def batch_loss(
+    draft: DFlashDraftModel, target: DecoderModel, runner: ModelRunner, chosen: list[Example],
+    cfg: TrainConfig, rng: random.Random,
+) -> tuple[torch.Tensor, float]:
+    """The target pass and the block loss of one batch; `runner` captures the drafter's target
+    layers, then (soft labels) the target's last layer."""
+    captured = target_features(runner, chosen, max(len(ex.tokens) for ex in chosen)).clone()
+    taps = len(draft.cfg.target_layer_ids) * target.cfg.hidden_size
+    features = captured[..., :taps].contiguous()  # [S, T, taps * hidden]
+    last_hidden = captured[..., taps:] if cfg.soft_labels else None  # [S, T, hidden]
+    # bf16 compute on GPUs, fp32 master weights and optimizer state.
+    with torch.autocast("cuda", torch.bfloat16, enabled=captured.is_cuda):
+        return block_loss(draft, target, chosen, features, cfg, rng, last_hidden)
 
 
 # ---------------------------------------------------------------------- loop and save
@@ -319,13 +380,9 @@ def train_drafter(
         shuffled = random.Random(cfg.seed + 1).sample(examples, len(examples))
         val, examples = shuffled[: cfg.val_examples], shuffled[cfg.val_examples :]
     batch = min(cfg.batch_size, len(examples))
-    page = 16
-    pages = PageTables(batch * (-(-width // page)), page)
-    mc = llm.model_config
-    kv_heads, k_dim, v_dim = target.kv_cache_dims()
-    cache = KVCache(mc.num_layers, pages.num_pages, page, kv_heads, k_dim,
-                    target.norm.weight.dtype, target.norm.weight.device, v_head_dim=v_dim)
-    runner = ModelRunner(target, cache, pages, draft.cfg.target_layer_ids)
+    # With soft labels the target's last layer rides along: its outputs give the distributions.
+    last_layer = (target.cfg.num_layers - 1,) if cfg.soft_labels else ()
+    runner = training_runner(target, tuple(draft.cfg.target_layer_ids) + last_layer, batch, width)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
     warm = max(1, int(cfg.warmup * cfg.steps))
 
@@ -350,11 +407,7 @@ def train_drafter(
         if len(order) < batch:
             order += rng.sample(range(len(examples)), len(examples))
         chosen = [examples[order.pop()] for _ in range(batch)]
-        width_b = max(len(ex.tokens) for ex in chosen)
-        features = target_features(runner, chosen, width_b).clone()
-        # bf16 compute on GPUs, fp32 master weights and optimizer state.
-        with torch.autocast("cuda", torch.bfloat16, enabled=features.is_cuda):
-            loss, acc = block_loss(draft, target, chosen, features, cfg, rng)
+        loss, acc = batch_loss(draft, target, runner, chosen, cfg, rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
@@ -405,10 +458,7 @@ def _validate(draft: DFlashDraftModel, target: DecoderModel, runner: ModelRunner
     rng = random.Random(cfg.seed)
     results = []
     for i in range(0, len(val), batch):
-        chosen = val[i : i + batch]
-        features = target_features(runner, chosen, max(len(ex.tokens) for ex in chosen))
-        with torch.autocast("cuda", torch.bfloat16, enabled=features.is_cuda):
-            loss, acc = block_loss(draft, target, chosen, features, cfg, rng)
+        loss, acc = batch_loss(draft, target, runner, val[i : i + batch], cfg, rng)
         results.append((loss.item(), acc))
     return (sum(x for x, _ in results) / len(results), sum(y for _, y in results) / len(results))
 

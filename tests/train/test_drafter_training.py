@@ -13,12 +13,16 @@ import torch
 from flashtree import LLM, SamplingParams
 from flashtree.spec.policy import CostModel
 from flashtree.train.drafter import (
+    Example,
     TrainConfig,
     drafter_hf_config,
     generate_examples,
     new_drafter,
     save_drafter,
+    target_features,
+    target_log_probs,
     train_drafter,
+    training_runner,
 )
 
 DIGITS, BLOCK = 20, 8
@@ -140,3 +144,23 @@ def test_reference_package_loads_and_reproduces_our_output(trained):
                                                  ignore_eos=True))[0].outputs[0]
     assert out.token_ids == ref.output_ids[0, len(prompt):].tolist()
     assert out.spec_accept_lengths == ref.acceptance_lengths
+
+
+def test_soft_labels_are_the_targets_next_token_distributions(trained):
+    """Slot labels read the target's distribution at the right row of the right sequence
+    (checked against transformers, on sequences of unequal length in one batch)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(model=str(trained / "target"), device="cpu", skip_tokenizer_init=True,
+              dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(trained / "target", dtype=torch.float32)
+    examples = [Example(stride_sequence(1, 3, 30), 1), Example(stride_sequence(3, 0, 17), 1)]
+    last = llm.model_config.num_layers - 1
+    runner = training_runner(llm.model, (last,), len(examples), 31)
+    hidden = target_features(runner, examples, 31)  # [2, 31, hidden]
+    at = torch.tensor([[0, 7, 29, 30], [2, 11, 16, 17]])
+    ours = target_log_probs(llm.model, hidden, at).view(2, 4, -1)
+    for i, ex in enumerate(examples):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ex.tokens])).logits[0], dim=-1)
+        torch.testing.assert_close(ours[i], ref[at[i]], atol=1e-4, rtol=1e-4)
