@@ -187,14 +187,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
     from flashtree import LLM
+    from flashtree.train import distributed
     from flashtree.train.drafter import TrainConfig, train_drafter
 
     if not 0.0 <= args.sampled_fraction <= 1.0:
         raise ValueError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
     if args.val_examples < 0:
         raise ValueError(f"--val-examples must be >= 0, got {args.val_examples}")
-    llm = LLM(model=args.target, device=args.device, dtype=args.dtype,
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (args.data and Path(args.data).exists()):
+        raise ValueError("training on several processes (torchrun) needs --data naming an "
+                         "existing file: generate the data with one process first")
+    device = distributed.join_from_env(args.device)
+    llm = LLM(model=args.target, device=device, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
     examples = _distillation_data(llm, args)
     cfg = TrainConfig(
@@ -207,7 +215,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         val_examples=min(args.val_examples, len(examples) // 10),  # at most a tenth
     )
     train_drafter(llm, examples, args.out, cfg)
-    print(f"drafter written to {args.out}", file=sys.stderr)
+    if distributed.rank_and_world()[0] == 0:
+        print(f"drafter written to {args.out}", file=sys.stderr)
+    distributed.leave()
     return 0
 
 

@@ -32,6 +32,7 @@ from flashtree.llm import LLM
 from flashtree.models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from flashtree.models.llama import DecoderModel
 from flashtree.sampling import SamplingParams
+from flashtree.train import distributed
 from flashtree.train.prompts import first_line_prompt
 
 # A time budget fixes the run's length from the speed of steps WARMUP..TIMED (the first steps
@@ -369,6 +370,11 @@ def train_drafter(
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token_id(llm)
     hf_cfg = drafter_hf_config(llm.model_config, cfg, mask_id)
     draft = new_drafter(target, hf_cfg, cfg)
+    params = list(draft.parameters())
+    rank, world = distributed.rank_and_world()
+    lead = rank == 0  # the rank that validates, logs and saves
+    if world > 1:
+        distributed.broadcast_parameters(params)
     if not examples:
         raise ValueError("no training examples: every generated response was shorter than 2")
     width = max(len(ex.tokens) for ex in examples)
@@ -379,6 +385,7 @@ def train_drafter(
                              f"out of {len(examples)}")
         shuffled = random.Random(cfg.seed + 1).sample(examples, len(examples))
         val, examples = shuffled[: cfg.val_examples], shuffled[cfg.val_examples :]
+        val = val if lead else []
     batch = min(cfg.batch_size, len(examples))
     # With soft labels the target's last layer rides along: its outputs give the distributions.
     last_layer = (target.cfg.num_layers - 1,) if cfg.soft_labels else ()
@@ -392,16 +399,23 @@ def train_drafter(
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    rng = random.Random(cfg.seed)
+    rng = random.Random(cfg.seed + 7919 * rank)  # each rank its own batches and anchors
     order: list[int] = []
     total = cfg.steps
-    bar = _progress(total, progress)
+    bar = _progress(total, progress and lead)
+
+    def log(line: str) -> None:
+        if lead:
+            _log(bar, line)
+
+    if world > 1:
+        log(f"{world} processes, {batch} sequences each per step")
     start, running = time.time(), []
     val_cost = 0.0  # seconds of one validation pass, part of every log_every steps
     if val:  # the starting point, and what a validation pass costs
         val_loss, val_acc = _validate(draft, target, runner, val, cfg, batch)
         val_cost = time.time() - start
-        _log(bar, f"step 0/{total} | val loss {val_loss:.4f} acc@1 {val_acc:.3f}")
+        log(f"step 0/{total} | val loss {val_loss:.4f} acc@1 {val_acc:.3f}")
     step = 0
     while step < total:
         if len(order) < batch:
@@ -410,7 +424,9 @@ def train_drafter(
         loss, acc = batch_loss(draft, target, runner, chosen, cfg, rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        if world > 1:
+            distributed.average_gradients(params)
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         sched.step()
         running.append((loss.item(), acc))
@@ -429,10 +445,12 @@ def train_drafter(
                 per_step += val_cost / cfg.log_every
             left = (cfg.time_budget - (time.time() - start)) / per_step
             total = max(step + 2, min(cfg.steps, step + 1 + int(left)))
+            if world > 1:  # the ranks' speeds differ (rank 0 validates): the slowest decides
+                total = distributed.agree_on_min(total, runner.device)
             bar.total = total
             if step + 1 == _TIMING_STEPS:
                 warm = max(1, int(cfg.warmup * total))
-                _log(bar, f"{per_step:.3f}s per step: training {total} steps")
+                log(f"{per_step:.3f}s per step: training {total} steps")
         if (step + 1) % cfg.log_every == 0 or step + 1 == total:
             mean_loss = sum(x for x, _ in running) / len(running)
             mean_acc = sum(y for _, y in running) / len(running)
@@ -441,13 +459,16 @@ def train_drafter(
             if val:
                 val_loss, val_acc = _validate(draft, target, runner, val, cfg, batch)
                 line += f" | val loss {val_loss:.4f} acc@1 {val_acc:.3f}"
-            _log(bar, line)
+            log(line)
             running = []
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+        if lead and cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_drafter(draft, hf_cfg, out_dir, cfg.max_shard_mb)
         step += 1
     bar.close()
-    save_drafter(draft, hf_cfg, out_dir, cfg.max_shard_mb)
+    if world > 1:
+        distributed.check_in_step(params)
+    if lead:
+        save_drafter(draft, hf_cfg, out_dir, cfg.max_shard_mb)
     return draft.eval()
 
 
