@@ -54,7 +54,9 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q = norm_rotary(q, *rope, self.q_norm)
-        if fused_kernels_apply(k):  # k roped straight into the cache, v beside it
+        # A paged backend takes k roped straight into its cache, v beside it (drafter training's
+        # block attention has no cache: it takes k and v).
+        if fused_kernels_apply(k) and isinstance(backend, AttentionBackend):
             write_rotary_kv(k, v, *rope, self.k_norm, backend, self.layer)
             out = backend.attend(self.layer, q)  # [n, heads, hd]
         else:
