@@ -335,7 +335,7 @@ def block_loss(
 
 @torch.no_grad()
 def target_log_probs(target: DecoderModel, last_hidden: torch.Tensor,
-                      at: torch.Tensor) -> torch.Tensor:
+                     at: torch.Tensor) -> torch.Tensor:
     """The target's next-token log-probabilities [n, vocab] (float32) at positions `at`
     [S, ...] of each sequence, from its last decoder layer's outputs [S, T, hidden]; positions
     past T read row T-1 (like the padding rows past a sequence's end, never supervised)."""
@@ -390,7 +390,7 @@ def train_drafter(
     # With soft labels the target's last layer rides along: its outputs give the distributions.
     last_layer = (target.cfg.num_layers - 1,) if cfg.soft_labels else ()
     runner = training_runner(target, tuple(draft.cfg.target_layer_ids) + last_layer, batch, width)
-    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     warm = max(1, int(cfg.warmup * cfg.steps))
 
     def lr_at(step: int) -> float:
