@@ -346,12 +346,19 @@ def target_log_probs(target: DecoderModel, last_hidden: torch.Tensor,
     return F.log_softmax(target.compute_logits(target.norm(h)), dim=-1)
 
 
+def captured_layers(draft: DFlashDraftModel, target: DecoderModel,
+                    cfg: TrainConfig) -> tuple[int, ...]:
+    """The target layers a training pass captures: the drafter's, then (soft labels) the
+    target's last layer, whose outputs give the target's distributions."""
+    last_layer = (target.cfg.num_layers - 1,) if cfg.soft_labels else ()
+    return tuple(draft.cfg.target_layer_ids) + last_layer
+
+
 def batch_loss(
     draft: DFlashDraftModel, target: DecoderModel, runner: ModelRunner, chosen: list[Example],
     cfg: TrainConfig, rng: random.Random,
 ) -> tuple[torch.Tensor, float]:
-    """The target pass and the block loss of one batch; `runner` captures the drafter's target
-    layers, then (soft labels) the target's last layer."""
+    """The target pass and the block loss of one batch; `runner` captures `captured_layers`."""
     captured = target_features(runner, chosen, max(len(ex.tokens) for ex in chosen)).clone()
     taps = len(draft.cfg.target_layer_ids) * target.cfg.hidden_size
     features = captured[..., :taps].contiguous()  # [S, T, taps * hidden]
@@ -387,9 +394,7 @@ def train_drafter(
         val, examples = shuffled[: cfg.val_examples], shuffled[cfg.val_examples :]
         val = val if lead else []
     batch = min(cfg.batch_size, len(examples))
-    # With soft labels the target's last layer rides along: its outputs give the distributions.
-    last_layer = (target.cfg.num_layers - 1,) if cfg.soft_labels else ()
-    runner = training_runner(target, tuple(draft.cfg.target_layer_ids) + last_layer, batch, width)
+    runner = training_runner(target, captured_layers(draft, target, cfg), batch, width)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     warm = max(1, int(cfg.warmup * cfg.steps))
 

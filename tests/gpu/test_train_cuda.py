@@ -18,6 +18,7 @@ from flashtree.train.drafter import (  # noqa: E402
     Example,
     TrainConfig,
     batch_loss,
+    captured_layers,
     drafter_hf_config,
     new_drafter,
     training_runner,
@@ -36,8 +37,7 @@ def test_validation_and_training_losses_agree(tmp_path, labels):
     draft = new_drafter(llm.model, hf_cfg, cfg)
     rng = random.Random(0)
     batch = [Example([rng.randrange(90) for _ in range(n)], 3) for n in (20, 33, 12)]
-    capture = tuple(draft.cfg.target_layer_ids) + ((3,) if cfg.soft_labels else ())
-    runner = training_runner(llm.model, capture, len(batch), 33)
+    runner = training_runner(llm.model, captured_layers(draft, llm.model, cfg), len(batch), 33)
     with torch.no_grad():
         val_loss, val_acc = batch_loss(draft, llm.model, runner, batch, cfg, random.Random(1))
     loss, acc = batch_loss(draft, llm.model, runner, batch, cfg, random.Random(1))
