@@ -250,7 +250,9 @@ def training_runner(target: DecoderModel, capture_layers: tuple[int, ...], seqs:
 
 
 def target_features(runner: ModelRunner, examples: list[Example], width: int) -> torch.Tensor:
-    """Outputs of the drafter's target layers for every token: [S, T, taps * hidden]."""
+    """Outputs of the runner's capture layers for every token, zero past each sequence's end:
+    [S, T, layers * hidden] float32, an ordinary tensor (the forward's own outputs are
+    inference tensors, which autograd could not use)."""
     pages = runner.pages
     items = []
     for i, ex in enumerate(examples):
@@ -359,7 +361,7 @@ def batch_loss(
     cfg: TrainConfig, rng: random.Random,
 ) -> tuple[torch.Tensor, float]:
     """The target pass and the block loss of one batch; `runner` captures `captured_layers`."""
-    captured = target_features(runner, chosen, max(len(ex.tokens) for ex in chosen)).clone()
+    captured = target_features(runner, chosen, max(len(ex.tokens) for ex in chosen))
     taps = len(draft.cfg.target_layer_ids) * target.cfg.hidden_size
     features = captured[..., :taps].contiguous()  # [S, T, taps * hidden]
     last_hidden = captured[..., taps:] if cfg.soft_labels else None  # [S, T, hidden]
