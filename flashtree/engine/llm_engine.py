@@ -246,13 +246,12 @@ class LLMEngine:
             c.seq.num_computed = c.start + c.count
             self.pages.set_length(c.seq.seq_id, c.seq.num_computed)
         if self.proposer is not None and features is not None:
-            if mode == Mode.PREFILL:
-                self.proposer.defer(ContextRows(
-                    features, tuple((c.seq.seq_id, c.start, c.count) for c in chunks)))
-            else:  # one row per request, at the positions and slots the target just wrote
-                batch = self.runner.last_batch
-                self.proposer.defer(ContextRows(features, positions=batch.positions,
-                                                slots=batch.attn.slot_mapping))
+            # The rows' positions and slots are the target batch's (the caches share pages).
+            batch = self.runner.last_batch
+            self.proposer.defer(ContextRows(
+                features, positions=batch.positions, slots=batch.attn.slot_mapping,
+                owners=tuple((c.seq.seq_id, self.pages.lease(c.seq.seq_id), c.count)
+                             for c in chunks)))
         if not sampling:
             tokens = []
         elif all_greedy:  # one device sync for the batch

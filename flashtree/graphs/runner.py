@@ -69,6 +69,8 @@ class GraphRunner:
         self.batch_buckets = sorted(set(batch_buckets))
         self.use_cuda_graphs, self.poison = use_cuda_graphs, poison
         self._entries: dict[GraphKey, _Entry] = {}
+        # bucket()'s answers: every step asks, and adaptive speculation captures many keys.
+        self._buckets: dict[tuple[GraphMode, int, int], GraphKey | None] = {}
         self._pool = None  # memory pool shared by all captures (they never run concurrently)
 
     @property
@@ -84,6 +86,7 @@ class GraphRunner:
             if max_rows is not None and batch * tokens > max_rows:
                 continue
             key = GraphKey(mode, batch, tokens)
+            self._buckets.clear()
             static = allocate(key, self.dims, self.device)
             graph, outputs = self._capture(key, static) if self.use_cuda_graphs else (None, None)
             self._entries[key] = _Entry(static, graph, outputs)
@@ -91,9 +94,13 @@ class GraphRunner:
     def bucket(self, mode: GraphMode, batch: int, tokens: int) -> GraphKey | None:
         """The smallest captured key holding `batch` requests of up to `tokens` tokens, or None
         (the caller then runs eagerly)."""
-        fits = [k for k in self._entries
-                if k.mode == mode and k.batch >= batch and k.tokens >= tokens]
-        return min(fits, key=lambda k: (k.batch * k.tokens, k.tokens), default=None)
+        asked = (mode, batch, tokens)
+        if asked not in self._buckets:
+            fits = [k for k in self._entries
+                    if k.mode == mode and k.batch >= batch and k.tokens >= tokens]
+            self._buckets[asked] = min(fits, key=lambda k: (k.batch * k.tokens, k.tokens),
+                                       default=None)
+        return self._buckets[asked]
 
     def run(self, mode: GraphMode, batch: int, tokens: int, inputs: Inputs) -> Any:
         """Replay the bucket for `batch` requests of up to `tokens` tokens on `inputs` (schema

@@ -4,7 +4,7 @@ length, then keep only a chosen subset of those tokens)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
 
 import torch
 
@@ -71,9 +71,10 @@ class PageTables:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
-        # Called before a sequence's pages go back to the free list (by users that hold
-        # slots for later writes).
-        self.before_free: list[Callable[[], None]] = []
+        # Each sequence's current allocation: a new number whenever it gets pages after
+        # having none, so that slots noted earlier can be told stale once freed (`lease`).
+        self._leases: dict[int, int] = {}
+        self._next_lease = itertools.count()
 
     @property
     def num_free(self) -> int:
@@ -89,7 +90,10 @@ class PageTables:
         need = self.pages_needed(seq_id, num_tokens)
         if need > len(self._free):
             raise OutOfPages(f"sequence {seq_id} needs {need} pages, {len(self._free)} free")
-        table = self._tables.setdefault(seq_id, [])
+        if seq_id not in self._tables:
+            self._tables[seq_id] = []
+            self._leases[seq_id] = next(self._next_lease)
+        table = self._tables[seq_id]
         self.lengths.setdefault(seq_id, 0)
         for _ in range(need):
             table.append(self._free.pop())
@@ -120,11 +124,15 @@ class PageTables:
             self._free.append(table.pop())
         self.lengths[seq_id] = length
 
+    def lease(self, seq_id: int) -> int | None:
+        """The number of `seq_id`'s current allocation (None while it holds no pages): slots
+        read from its table stay its own exactly while this number stays the same."""
+        return self._leases.get(seq_id)
+
     def free(self, seq_id: int) -> None:
-        for hook in self.before_free:
-            hook()
         self._free.extend(reversed(self._tables.pop(seq_id, [])))
         self.lengths.pop(seq_id, None)
+        self._leases.pop(seq_id, None)
 
     def keep(self, cache: KVCache, kept: list[tuple[int, int, list[int]]]) -> None:
         """For each (seq_id, start, keep_offsets): keep the tokens at logical indices

@@ -29,14 +29,17 @@ _MAX_DEFERRED_ROWS = 16384  # rows held for the next draft before injecting them
 class ContextRows:
     """Features of committed tokens of one forward, to inject, and where they go: either
     `spans`, (seq_id, start, count) holding that request's tokens [start, start + count) in
-    row order, whose slots are looked up when injected (a prefill chunk's rows); or the rows'
-    own device `positions` and `slots` (a decode step's: the target batch's, valid until a
-    page changes owner, so deferred ones are injected before any page is freed)."""
+    row order, whose slots are looked up when injected (a speculative step's accepted tokens);
+    or the rows' own device `positions` and `slots` (a plain step's: the target batch's) with
+    their `owners`, (seq_id, lease, count) in row order: the slots stay valid while the
+    request keeps that page allocation (`PageTables.lease`); rows of a request that has been
+    freed since (finished, preempted) go to the spare page, as their slots may be another's."""
 
     features: torch.Tensor  # [rows, len(target_layer_ids) * hidden]
     spans: tuple[tuple[int, int, int], ...] = ()
     positions: torch.Tensor | None = None  # [rows] int64
     slots: torch.Tensor | None = None  # [rows] int64
+    owners: tuple[tuple[int, int | None, int], ...] = ()
 
 
 class DFlashProposer:
@@ -68,7 +71,6 @@ class DFlashProposer:
         # and while the adaptive policy decodes plain the drafter costs nothing per step.
         self._deferred: list[ContextRows] = []
         self._deferred_rows = 0
-        pages.before_free.append(self._flush_rows_with_slots)
         self.graphs: GraphRunner | None = None
         self._context_writer: RowGraphs | None = None
 
@@ -105,11 +107,6 @@ class DFlashProposer:
         rows, self._deferred, self._deferred_rows = self._deferred, [], 0
         self.inject(rows)
 
-    def _flush_rows_with_slots(self) -> None:
-        """Before pages go back to the pool: deferred device slots may be handed on next."""
-        if any(r.slots is not None for r in self._deferred):
-            self.flush()
-
     @torch.inference_mode()
     def inject(self, rows: list[ContextRows]) -> None:
         """Write context K/V of committed tokens to the draft cache. Spans past their
@@ -128,15 +125,17 @@ class DFlashProposer:
     def _placement(self, rows: ContextRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Device positions and draft-cache slots ([rows] each) of `rows`."""
         if rows.positions is not None and rows.slots is not None:
-            return rows.positions, rows.slots
+            live = [self.pages.lease(seq_id) == lease for seq_id, lease, _ in rows.owners]
+            if all(live):
+                return rows.positions, rows.slots
+            keep = to_device([ok for ok, (*_, count) in zip(live, rows.owners)
+                              for _ in range(count)], self.device, torch.bool)
+            return rows.positions, torch.where(keep, rows.slots, self.pages.scratch_slot)
         positions: list[int] = []
         slots: list[int] = []
         for seq_id, start, count in rows.spans:
             positions += range(start, start + count)
-            if start + count <= self.pages.lengths.get(seq_id, 0):
-                slots += self.pages.slots(seq_id, start, count)
-            else:
-                slots += [self.pages.scratch_slot] * count
+            slots += self.pages.slots(seq_id, start, count)
         position_t, slot_t = lists_to_device([positions, slots], self.device)
         return position_t, slot_t
 

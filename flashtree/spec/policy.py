@@ -122,17 +122,15 @@ class StepScale:
     does not hold speculation off for the hundreds of plain steps the back-off waits."""
 
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=_SCALE_SAMPLES))
+    factor: float = 1.0  # the samples' median (kept current by add: read every step)
 
     @property
     def seen(self) -> bool:
         return bool(self.samples)
 
-    @property
-    def factor(self) -> float:
-        return statistics.median(self.samples) if self.samples else 1.0
-
     def add(self, measured: float, predicted: float) -> None:
         self.samples.append(measured / max(predicted, 1e-9))
+        self.factor = statistics.median(self.samples)
 
 
 @dataclass

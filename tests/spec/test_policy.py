@@ -278,11 +278,11 @@ def test_one_cold_step_does_not_hold_speculation_off():
     assert policy.backoff == 0
 
 
-def test_deferred_context_rows_reach_only_committed_positions(small_pair, tmp_path,
-                                                             monkeypatch):
-    """Prompt rows wait for the next draft; the flush writes those within their request's
-    committed length to its slots and the rest (finished or preempted requests, whose pages
-    may belong to others by then) to the spare page, never twice."""
+def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, monkeypatch):
+    """A plain step's context rows wait for the next draft with the target batch's own slots.
+    Freeing pages injects nothing; at the flush, rows of a request freed since (finished, or
+    preempted and given new pages) go to the spare page, as their slots may be another's by
+    then, and every other row to its slot, each once. Held rows stay bounded."""
     from flashtree.spec import dflash
     from flashtree.spec.dflash import ContextRows
 
@@ -292,64 +292,49 @@ def test_deferred_context_rows_reach_only_committed_positions(small_pair, tmp_pa
               skip_tokenizer_init=True, page_size=4)
     proposer, pages = llm.engine.proposer, llm.engine.pages
     width = proposer.draft.fc.in_features  # len(target_layer_ids) * hidden
-    for seq_id in (5, 6):
+    scratch = pages.num_pages * pages.page_size
+
+    def rows(spans: list[tuple[int, int, int]]) -> ContextRows:  # (seq_id, start, count)
+        positions = [i for _, start, count in spans for i in range(start, start + count)]
+        slots = [v for seq_id, start, count in spans for v in pages.slots(seq_id, start, count)]
+        return ContextRows(torch.ones(len(positions), width), positions=torch.tensor(positions),
+                           slots=torch.tensor(slots), owners=tuple(
+                               (seq_id, pages.lease(seq_id), count) for seq_id, _, count in spans))
+
+    for seq_id in (5, 6, 7):
         pages.reserve(seq_id, 8)
         pages.set_length(seq_id, 4)
-    pages.free(6)  # finished after its prompt chunk
-    proposer.defer(ContextRows(torch.ones(5, width), ((5, 0, 3), (6, 0, 2))))
-    proposer.defer(ContextRows(torch.ones(2, width), ((5, 3, 2),)))  # past length 4
+    old_slots = {seq_id: pages.slots(seq_id, 0, 4) for seq_id in (5, 6, 7)}
     written = []
     monkeypatch.setattr(proposer, "_write_context",
                         lambda f, pos, slots: written.append((pos.tolist(), slots.tolist())))
-    proposer.flush()
-    scratch = pages.num_pages * pages.page_size
-    assert written == [([0, 1, 2, 0, 1, 3, 4],
-                        pages.slots(5, 0, 3) + [scratch] * 4)]
-    proposer.flush()
-    assert len(written) == 1  # nothing is injected twice
-    monkeypatch.setattr(dflash, "_MAX_DEFERRED_ROWS", 4)  # held rows stay bounded
-    proposer.defer(ContextRows(torch.ones(3, width), ((5, 0, 3),)))
-    assert len(written) == 1
-    proposer.defer(ContextRows(torch.ones(2, width), ((5, 3, 1), (6, 0, 1))))
-    assert written[1] == ([0, 1, 2, 3, 0], pages.slots(5, 0, 4) + [scratch])
-
-
-
-def test_deferred_decode_rows_land_before_their_pages_are_freed(small_pair, tmp_path,
-                                                                monkeypatch):
-    """A plain decode step's rows carry the target batch's own device slots, valid only while
-    their pages keep their owner: any free injects every deferred row first, in order."""
-    from flashtree.spec.dflash import ContextRows
-
-    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
-    target, drafter = small_pair
-    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
-              skip_tokenizer_init=True, page_size=4)
-    proposer, pages = llm.engine.proposer, llm.engine.pages
-    width = proposer.draft.fc.in_features
-    pages.reserve(5, 8)
-    pages.set_length(5, 5)
-    proposer.defer(ContextRows(torch.ones(2, width), ((5, 0, 2),)))
-    decode_slot = pages.slots(5, 4, 1)
-    proposer.defer(ContextRows(torch.ones(1, width), positions=torch.tensor([4]),
-                               slots=torch.tensor(decode_slot)))
-    written = []
-    monkeypatch.setattr(proposer, "_write_context",
-                        lambda f, pos, slots: written.append((pos.tolist(), slots.tolist())))
+    proposer.defer(rows([(5, 0, 3), (6, 0, 2), (7, 0, 1)]))
+    pages.free(6)  # finished
+    pages.free(7)  # preempted, then admitted again with new pages
     pages.reserve(7, 4)
-    assert written == []  # held while no page changes owner
-    pages.free(7)
-    assert written == [([0, 1, 4], pages.slots(5, 0, 2) + decode_slot)]
-    pages.free(5)
+    pages.set_length(7, 1)
+    proposer.defer(rows([(5, 3, 1), (7, 0, 1)]))
+    assert written == []  # freeing pages injects nothing
+    proposer.flush()
+    assert written == [([0, 1, 2, 0, 1, 0, 3, 0],
+                        old_slots[5][:3] + [scratch] * 3 + [old_slots[5][3]]
+                        + pages.slots(7, 0, 1))]
+    proposer.flush()
     assert len(written) == 1  # nothing is injected twice
+    monkeypatch.setattr(dflash, "_MAX_DEFERRED_ROWS", 4)
+    proposer.defer(rows([(5, 0, 3)]))
+    assert len(written) == 1
+    proposer.defer(rows([(5, 3, 1), (7, 0, 1)]))
+    assert written[1] == ([0, 1, 2, 3, 0], pages.slots(5, 0, 4) + pages.slots(7, 0, 1))
 
 
 @torch.inference_mode()
 def test_plain_steps_chosen_by_the_policy_fill_the_draft_cache(small_pair, tmp_path,
                                                               monkeypatch):
-    """While the adaptive policy decodes plain, each step's context rows wait; when the request
-    finishes they are in the draft cache at its slots: the drafter's context K/V of the
-    target's features for every committed token, as a fresh prefill of them computes it."""
+    """While the adaptive policy decodes plain, each step's context rows (the prompt's, then
+    one per token) wait; the flush before the next draft puts them in the draft cache at the
+    request's slots: the drafter's context K/V of the target's features for every committed
+    token, as a fresh prefill of them computes it."""
     from flashtree.engine.forward_batch import BatchItem, Mode
     from flashtree.spec.policy import SpecPolicy
 
@@ -359,21 +344,16 @@ def test_plain_steps_chosen_by_the_policy_fill_the_draft_cache(small_pair, tmp_p
     llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
               skip_tokenizer_init=True, page_size=4)
     engine, pages = llm.engine, llm.engine.pages
-    tables: dict[int, list[int]] = {}
-    free = pages.free
-
-    def recording_free(seq_id: int) -> None:
-        tables[seq_id] = list(pages.table(seq_id))
-        free(seq_id)
-
-    monkeypatch.setattr(pages, "free", recording_free)
     prompt = [1, 2, 3, 4, 0, 1]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
-    tokens = prompt + out[0].outputs[0].token_ids[:-1]  # committed: the last has no KV yet
-    assert set(out[0].outputs[0].spec_accept_lengths) == {1}  # every step was plain
-    (table,) = tables.values()
-    p = pages.page_size
-    slots = torch.tensor([table[i // p] * p + i % p for i in range(len(tokens))])
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20,
+                                                    ignore_eos=True))
+    for _ in range(9):
+        engine.step()
+    assert not seq.is_finished and seq.spec_accept_lengths == [1] * 8  # every step was plain
+    engine.proposer.flush()  # as the next speculative step does before drafting
+    tokens = prompt + seq.output_ids[:-1]  # committed: the last has no KV yet
+    assert seq.num_computed == len(tokens)
+    slots = torch.tensor(pages.slots(seq.seq_id, 0, len(tokens)))
 
     pages.reserve(99, len(tokens))
     _, features = engine.runner.forward(Mode.PREFILL, [BatchItem(99, 0, tokens)])
