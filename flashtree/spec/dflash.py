@@ -109,14 +109,15 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def inject(self, rows: list[ContextRows]) -> None:
-        """Write context K/V of committed tokens to the draft cache. Spans past their
-        request's committed length (it finished or was preempted since, and its pages may
-        belong to another request) go to the scratch slot: a recompute injects its own."""
+        """Write context K/V of committed tokens to the draft cache, all `rows` in one batch;
+        rows of requests freed since they were noted go to the scratch slot (a recompute
+        injects its own)."""
         if not rows:
             return
-        positions, slots = zip(*(self._placement(r) for r in rows))
+        placed = [self._placement(r) for r in rows]
         features, positions, slots = (torch.cat(t) if len(rows) > 1 else t[0] for t in
-                                      ([r.features for r in rows], positions, slots))
+                                      ([r.features for r in rows], *zip(*placed)))
+        slots = self._spare_freed(rows, slots)
         if self._context_writer is not None:
             self._context_writer(features, positions, slots)
         else:
@@ -125,12 +126,7 @@ class DFlashProposer:
     def _placement(self, rows: ContextRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Device positions and draft-cache slots ([rows] each) of `rows`."""
         if rows.positions is not None and rows.slots is not None:
-            live = [self.pages.lease(seq_id) == lease for seq_id, lease, _ in rows.owners]
-            if all(live):
-                return rows.positions, rows.slots
-            keep = to_device([ok for ok, (*_, count) in zip(live, rows.owners)
-                              for _ in range(count)], self.device, torch.bool)
-            return rows.positions, torch.where(keep, rows.slots, self.pages.scratch_slot)
+            return rows.positions, rows.slots
         positions: list[int] = []
         slots: list[int] = []
         for seq_id, start, count in rows.spans:
@@ -138,6 +134,25 @@ class DFlashProposer:
             slots += self.pages.slots(seq_id, start, count)
         position_t, slot_t = lists_to_device([positions, slots], self.device)
         return position_t, slot_t
+
+    def _spare_freed(self, rows: list[ContextRows], slots: torch.Tensor) -> torch.Tensor:
+        """`slots` ([sum of rows] in row order) with the scratch slot for every row whose
+        request no longer holds the page allocation it was noted under; one device op for
+        all of them, none when every request still does (`spans` are looked up just now)."""
+        live: list[int] = []
+        counts: list[int] = []
+        for r in rows:
+            if not r.owners:
+                live.append(1)
+                counts.append(r.features.shape[0])
+            for seq_id, lease, count in r.owners:
+                live.append(int(self.pages.lease(seq_id) == lease))
+                counts.append(count)
+        if all(live):
+            return slots
+        live_t, counts_t = lists_to_device([live, counts], self.device)
+        keep = live_t.repeat_interleave(counts_t, output_size=slots.shape[0]).bool()
+        return torch.where(keep, slots, self.pages.scratch_slot)
 
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor) -> tuple[()]:

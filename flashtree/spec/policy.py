@@ -166,6 +166,7 @@ class SpecPolicy:
     gated_steps: int = 0  # plain steps in a row that the forecast chose without a probe
     spec_steps: int = 0  # speculative steps since the last plain one
     predicted_s: float = 0.0  # forward seconds the last choice expects (draft + verify)
+    last_speculative: bool = False  # whether the last observed step speculated
 
     def should_draft(self, requests: int) -> bool:
         """False (the step runs plain) while the last probe said plain decoding is faster, or
@@ -228,11 +229,15 @@ class SpecPolicy:
 
     def observe_step(self, speculative: bool, requests: int, seconds: float) -> None:
         """A decode step of `requests` took `seconds` of wall time: learn how far the profile
-        is from it."""
-        if speculative:
+        is from it. The first speculative step after plain ones is not counted: it runs the
+        drafter cold and costs more than the steps of a run that follow it, and a run's steps
+        are what the choice to keep speculating is about (a probe alone would otherwise be
+        judged by its switching cost, and hold speculation off where a run of it pays)."""
+        if speculative and self.last_speculative:
             self.spec_scale.add(seconds, self.predicted_s)
-        else:
+        elif not speculative:
             self.plain_scale.add(seconds, self.cost.target_s(requests))
+        self.last_speculative = speculative
 
     def observe_speculation(self, requests: int, verified: int, accepted: int) -> None:
         """A speculative step verified `verified` and accepted `accepted` drafts over
