@@ -27,6 +27,7 @@ _RECENT_RATE = 0.2  # weight of the newest speculative step in RecentSpeculation
 _SCALE_SAMPLES = 8  # steps whose median measured/predicted ratio corrects the profile
 _PLAIN_PROBE = 64  # speculative steps in a row before one plain step re-measures plain decoding
 _FORCED_PROBE = 1024  # plain steps the forecast may choose in a row before a real probe
+_WARM_STEPS = 2  # speculative steps after plain ones whose times are not counted
 
 
 def budget_levels(max_budget: int) -> tuple[int, ...]:
@@ -166,7 +167,7 @@ class SpecPolicy:
     gated_steps: int = 0  # plain steps in a row that the forecast chose without a probe
     spec_steps: int = 0  # speculative steps since the last plain one
     predicted_s: float = 0.0  # forward seconds the last choice expects (draft + verify)
-    last_speculative: bool = False  # whether the last observed step speculated
+    run_length: int = 0  # speculative steps in a row up to the last observed one
 
     def should_draft(self, requests: int) -> bool:
         """False (the step runs plain) while the last probe said plain decoding is faster, or
@@ -192,8 +193,9 @@ class SpecPolicy:
     def forecast_pays(self, requests: int) -> bool:
         """Whether a speculative step of `requests` is expected to commit tokens faster than
         a plain one, judged before drafting from recent speculative steps (True until there
-        are some, and until a speculative step has been timed)."""
-        if not (self.recent.seen and self.spec_scale.seen):
+        are some); until speculative steps are timed, by the profile alone, which measured
+        steps only ever found slower (host work it does not see)."""
+        if not self.recent.seen:
             return True
         n, r = requests, self.recent
         spec_s = self.spec_scale.factor * (
@@ -229,15 +231,16 @@ class SpecPolicy:
 
     def observe_step(self, speculative: bool, requests: int, seconds: float) -> None:
         """A decode step of `requests` took `seconds` of wall time: learn how far the profile
-        is from it. The first speculative step after plain ones is not counted: it runs the
-        drafter cold and costs more than the steps of a run that follow it, and a run's steps
-        are what the choice to keep speculating is about (a probe alone would otherwise be
-        judged by its switching cost, and hold speculation off where a run of it pays)."""
-        if speculative and self.last_speculative:
+        is from it. The first _WARM_STEPS speculative steps after plain ones are not counted:
+        they run the drafter cold and cost more than the steps of a run that follow, and a
+        run's steps are what the choice to keep speculating is about (probes alone would
+        otherwise be judged by their switching cost, and hold speculation off where runs of
+        it pay)."""
+        self.run_length = self.run_length + 1 if speculative else 0
+        if self.run_length > _WARM_STEPS:
             self.spec_scale.add(seconds, self.predicted_s)
         elif not speculative:
             self.plain_scale.add(seconds, self.cost.target_s(requests))
-        self.last_speculative = speculative
 
     def observe_speculation(self, requests: int, verified: int, accepted: int) -> None:
         """A speculative step verified `verified` and accepted `accepted` drafts over

@@ -224,7 +224,7 @@ def test_measured_step_times_enter_the_choice():
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     gains = [_chain_gains(0.7)] * 4
     assert max(policy.choose(list(range(4)), gains)) > 0 and policy.backoff == 0
-    for _ in range(2):  # the first of a run is not counted
+    for _ in range(3):  # the first two of a run are not counted
         policy.observe_step(True, 4, policy.predicted_s * 5)
     assert policy.spec_scale.factor == pytest.approx(5.0)
     assert not policy.should_draft(4)  # plain steps not measured yet: one is
@@ -240,7 +240,7 @@ def test_a_profile_taken_on_a_busy_machine_is_corrected_by_measured_steps():
     policy = SpecPolicy(_cost(per_token=1e-3, base=0.03, draft=0.01), LEVELS)
     gains = [_chain_gains(0.5)]
     assert max(policy.choose([0], gains)) > 0
-    for _ in range(2):
+    for _ in range(3):
         policy.observe_step(True, 1, policy.predicted_s)
     policy.observe_step(False, 1, policy.cost.target_s(1) / 3)
     policy.choose([0], gains)
@@ -255,7 +255,7 @@ def test_forecast_skips_drafting_where_recent_steps_did_not_pay():
     assert policy.should_draft(256)  # nothing measured yet: probe
     policy.observe_speculation(requests=8, verified=32, accepted=8)  # 4 verified, 1 accepted
     policy.predicted_s = policy.cost.draft_s(8) + policy.cost.target_s(40)
-    for _ in range(2):
+    for _ in range(3):
         policy.observe_step(True, 8, policy.predicted_s * 1.2)
     policy.observe_step(False, 8, policy.cost.target_s(8))
     assert policy.forecast_pays(1) and not policy.forecast_pays(256)
@@ -272,7 +272,8 @@ def test_one_cold_step_does_not_hold_speculation_off():
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     gains = [_chain_gains(0.7)] * 4
     policy.choose(list(range(4)), gains)
-    policy.observe_step(True, 4, policy.predicted_s)
+    for _ in range(2):
+        policy.observe_step(True, 4, policy.predicted_s)
     policy.observe_step(True, 4, policy.predicted_s + 1.0)
     for _ in range(2):
         policy.observe_step(True, 4, policy.predicted_s)
@@ -283,18 +284,19 @@ def test_one_cold_step_does_not_hold_speculation_off():
 
 
 def test_switching_steps_do_not_time_speculation():
-    """Each speculative step that follows plain ones (a probe: the drafter runs cold) takes
-    3x a run's steps; only steps within runs are timed, so speculation resumes where its
-    runs pay. Were probes timed, their median would say plain decoding wins."""
+    """The first two speculative steps after plain ones (a probe: the drafter runs cold) take
+    3x a run's later steps; only those are timed, so speculation resumes where its runs pay.
+    Were probes timed, their median would say plain decoding wins."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     gains = [_chain_gains(0.7)] * 4
     policy.choose(list(range(4)), gains)
     steady = policy.predicted_s
-    for _ in range(8):  # probes between plain steps
+    for _ in range(8):  # probes (runs of two) between plain steps
         policy.observe_step(False, 4, policy.cost.target_s(4))
         policy.observe_step(True, 4, 3 * steady)
+        policy.observe_step(True, 4, 3 * steady)
     assert not policy.spec_scale.seen
-    policy.observe_step(True, 4, steady)  # a run's second step
+    policy.observe_step(True, 4, steady)  # a run's third step
     assert policy.spec_scale.factor == pytest.approx(1.0)
     policy.choose(list(range(4)), gains)
     assert policy.backoff == 0
