@@ -32,7 +32,10 @@ _NO_SCORE = tl.constexpr(-1.0e30)
 _MAX_AUTO_SPLITS = 16
 
 
-@triton.jit
+# Integers that vary between eager launches (the page-table width of the batch, mask strides,
+# query tiles) are not specialized on (== 1, divisible by 16): each combination would be a
+# kernel variant compiled the first time it appears, stalling a running engine.
+@triton.jit(do_not_specialize=["stride_pb", "stride_mb", "stride_mq", "window", "num_m_tiles"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     page_tables_ptr, kv_lens_ptr, query_start_ptr, mask_ptr,
@@ -145,7 +148,7 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + part * BLOCK_M + r, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_tiles"])
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_ptr,
     stride_ot, stride_oh, num_kv_heads, num_m_tiles,
@@ -213,11 +216,15 @@ class TritonBackend(AttentionBackend):
                          if device.type == "cuda" else 0)
         self.launch: _Launch | None = None
 
-    def splits_for(self, programs: int) -> int:
-        """Context splits for a launch of `programs` (request, KV head, query tile) programs."""
+    def splits_for(self, programs: int, max_kv_len: int) -> int:
+        """Context splits for a launch of `programs` (request, KV head, query tile) programs
+        over contexts of up to `max_kv_len` keys: enough programs to fill the GPU twice, but no
+        more splits than the longest context has key blocks (a short prompt's prefill takes
+        one, and no merge)."""
         if self.num_splits is not None:
             return self.num_splits
-        wanted = min(_MAX_AUTO_SPLITS, -(-2 * self._num_sms // programs))
+        wanted = min(_MAX_AUTO_SPLITS, -(-2 * self._num_sms // programs),
+                     -(-max_kv_len // self.block_n))
         return triton.next_power_of_2(wanted) if wanted > 1 else 1  # few compiled variants
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
@@ -251,7 +258,7 @@ class TritonBackend(AttentionBackend):
         block_m = max(16, min(self.max_block_m, triton.next_power_of_2(meta.max_query_len * group)))
         num_m_tiles = triton.cdiv(meta.max_query_len * group, block_m)
         block_d = max(16, triton.next_power_of_2(head_dim))
-        splits = self.splits_for(n * num_kv_heads * num_m_tiles)
+        splits = self.splits_for(n * num_kv_heads * num_m_tiles, meta.max_kv_len)
         out = torch.empty_like(q)  # [num_tokens, heads, hd]
         if splits > 1:
             parts = n * num_kv_heads * num_m_tiles * splits

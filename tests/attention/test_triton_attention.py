@@ -43,3 +43,18 @@ def test_query_tiles_and_small_pages():
     """Trees times the GQA group exceed one 16-row tile: several query tiles per head."""
     run_case(TritonBackend, "tree", 4, 64, torch.float32, "cpu", seed=3, page_size=1,
              max_block_m=16, block_n=16)
+
+
+def test_automatic_splits_fill_the_gpu_but_never_outnumber_key_blocks():
+    """Without a fixed count, a launch splits each context so that its programs fill the GPU
+    twice (a power of two, at most 16), but into no more splits than the longest context has
+    key blocks: a short prompt's prefill is one split, whatever the batch."""
+    from flashtree.kv.cache import KVCache
+
+    backend = TritonBackend(KVCache(1, 4, 16, 1, 64, torch.float32, "cpu"), block_n=64)
+    backend._num_sms = 132  # an H200's (this CPU has none)
+    assert backend.splits_for(3, max_kv_len=40) == 1
+    assert backend.splits_for(3, max_kv_len=3 * 64) == 4  # three key blocks, rounded up
+    assert backend.splits_for(3, max_kv_len=100_000) == 16
+    assert backend.splits_for(100, max_kv_len=100_000) == 4  # 264 programs wanted: 3, rounded
+    assert backend.splits_for(264, max_kv_len=100_000) == 1
