@@ -22,9 +22,9 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.lon
 
 def lists_to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """Several int64 lists in one copy: 1-D tensors (views of one device buffer), in order.
-    Each view starts 16 bytes into the buffer times a whole number (lists are padded to an even
+    Each view starts a multiple of 16 bytes into the buffer (lists are padded to an even
     length): Triton specializes kernels on their pointers' 16-byte alignment, so views at
-    whatever offset the lengths before them gave would compile a kernel variant per parity
+    whatever offsets the lengths before them gave would compile a kernel variant per parity
     pattern, a stall the first time each appears in a running engine."""
     flat: list[int] = []
     for values in lists:

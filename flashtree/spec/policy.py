@@ -165,7 +165,7 @@ class SpecPolicy:
     spec_scale: StepScale = field(default_factory=StepScale)
     recent: RecentSpeculation = field(default_factory=RecentSpeculation)
     gated_steps: int = 0  # plain steps in a row that the forecast chose without a probe
-    spec_steps: int = 0  # speculative steps since the last plain one
+    spec_steps: int = 0  # speculative steps since the last plain probe
     predicted_s: float = 0.0  # forward seconds the last choice expects (draft + verify)
     run_length: int = 0  # speculative steps in a row up to the last observed one
 

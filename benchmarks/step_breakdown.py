@@ -1,0 +1,179 @@
+"""Where an offline run's time goes, per spec, engine step by engine step: steps, the time in
+them, speculative steps, step-time percentiles, the draft cache's catch-up flushes and the
+Python garbage collector; then the adaptive policy's state. Prompts: the chat set (a GGUF or
+other model with a tokenizer) or random tokens on a SmolLM2-135M-shaped random target.
+
+    python benchmarks/step_breakdown.py --model SmolLM2-135M-Instruct.Q4_1.gguf --concurrency 64
+    python benchmarks/step_breakdown.py --model M.gguf --concurrency 1 --forced-runs 40,8
+
+`--forced-runs P,S` replaces the adaptive policy's choice by P plain steps then S speculative
+steps (full budget), over and over, and reports the median step time by position in a run:
+what switching to speculation costs on top of a run's steady steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.profile_step import SMOLLM2_135M  # noqa: E402
+from flashtree import LLM  # noqa: E402
+from flashtree.bench.datasets import BenchPrompt, load_dataset  # noqa: E402
+from flashtree.bench.offline import run_offline  # noqa: E402
+from flashtree.models.registry import DEFAULT_DRAFTER_DIR  # noqa: E402
+from flashtree.spec.policy import SpecPolicy  # noqa: E402
+
+
+class GcClock:
+    """Seconds spent in the garbage collector, and full (generation 2) collections."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info["generation"] == 2
+
+
+def prompts_for(args: argparse.Namespace, chat: bool) -> list[BenchPrompt]:
+    if chat:
+        return load_dataset("chat", args.num_prompts)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 70, (args.num_prompts,), generator=gen).tolist()
+    return [BenchPrompt(token_ids=torch.randint(100, 49000, (n,), generator=gen).tolist(),
+                        ignore_eos=True) for n in lengths]
+
+
+def force_runs(plain: int, speculative: int) -> dict:
+    """Make every adaptive policy run `plain` plain steps, then `speculative` full-budget
+    speculative ones, repeating; returns the counter of decode steps decided so far."""
+    pattern = [False] * plain + [True] * speculative
+    decided = {"steps": 0, "period": len(pattern), "plain": plain}
+
+    def should_draft(self, requests: int) -> bool:
+        decided["steps"] += 1
+        return pattern[(decided["steps"] - 1) % len(pattern)]
+
+    SpecPolicy.should_draft = should_draft
+    SpecPolicy.choose = lambda self, seq_ids, gains: [self.levels[-1]] * len(seq_ids)
+    return decided
+
+
+def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
+              gc_clock: GcClock, decided: dict | None) -> dict:
+    """One offline run with every engine step and draft-cache flush timed."""
+    eng = llm.engine
+    steps: list[tuple[float, int]] = []  # (seconds, speculative drafts so far)
+    by_position: dict[int, list[float]] = {}
+    engine_step, flush = eng.step, eng.proposer.flush if eng.proposer else None
+    flushes = [0.0, 0]
+
+    def step():
+        position = -1
+        if decided is not None:  # this step's place in the forced pattern (-1: plain)
+            position = decided["steps"] % decided["period"] - decided["plain"]
+        start = time.perf_counter()
+        out = engine_step()
+        seconds = time.perf_counter() - start
+        steps.append((seconds, eng.speculative.stats.num_drafts if eng.speculative else 0))
+        by_position.setdefault(max(position, -1), []).append(seconds)
+        return out
+
+    def timed_flush():
+        start, pending = time.perf_counter(), eng.proposer._deferred_rows
+        flush()
+        flushes[0] += time.perf_counter() - start
+        flushes[1] += pending > 0
+
+    eng.step = step
+    if flush is not None:
+        eng.proposer.flush = timed_flush
+    gc_clock.seconds, gc_clock.full = 0.0, 0
+    records, wall = run_offline(llm, prompts, args.concurrency, args.max_tokens)
+    del eng.step
+    if flush is not None:
+        del eng.proposer.flush
+    times = sorted(s for s, _ in steps)
+    speculative = [s for i, (s, d) in enumerate(steps) if d != (steps[i - 1][1] if i else 0)]
+    return {"wall": wall, "tokens": sum(r.num_output for r in records), "steps": len(steps),
+            "in_steps": sum(times), "spec_steps": len(speculative),
+            "spec_ms": 1e3 * sum(speculative), "p50": 1e3 * times[len(times) // 2],
+            "p99": 1e3 * times[int(len(times) * 0.99)], "max": 1e3 * times[-1],
+            "flush_ms": 1e3 * flushes[0], "flushes": flushes[1],
+            "gc_ms": 1e3 * gc_clock.seconds, "gc_full": gc_clock.full,
+            "by_position": by_position}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="default: a random SmolLM2-135M-shaped target")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=768)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--specs", default="none,ddtree,none,ddtree",
+                    help="comma list of none | ddtree (adaptive) | ddtree:fixed, run in order; "
+                         "each engine is built and warmed up with the workload once")
+    ap.add_argument("--forced-runs", default=None, metavar="PLAIN,SPECULATIVE")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    chat = args.model is not None
+    if args.model is None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        args.model = tempfile.mkdtemp()
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(args.model)
+    decided = force_runs(*map(int, args.forced_runs.split(","))) if args.forced_runs else None
+    prompts, gc_clock = prompts_for(args, chat), GcClock()
+    engines: dict[str, LLM] = {}
+    results = []
+    for spec in args.specs.split(","):
+        if spec not in engines:
+            kw = {"spec": "none"} if spec == "none" else dict(
+                draft=str(DEFAULT_DRAFTER_DIR), spec="ddtree",
+                spec_policy="fixed" if spec.endswith(":fixed") else "adaptive")
+            llm = LLM(model=args.model, device=args.device, skip_tokenizer_init=not chat,
+                      max_num_seqs=args.concurrency, max_model_len=512, **kw)
+            run_offline(llm, prompts, args.concurrency, args.max_tokens)  # warm-up
+            engines[spec] = llm
+        results.append((spec, timed_run(engines[spec], prompts, args, gc_clock, decided)))
+    for spec, llm in engines.items():
+        speculative = llm.engine.speculative
+        if speculative is not None and speculative.policy is not None and decided is None:
+            p, budgets = speculative.policy, dict(sorted(speculative.stats.budgets.items()))
+            print(f"{spec}: request-steps by budget {budgets}"
+                  f"; measured/profiled step time: speculative {p.spec_scale.factor:.2f}, "
+                  f"plain {p.plain_scale.factor:.2f}; recent verified/accepted per request "
+                  f"{p.recent.verified:.2f}/{p.recent.accepted:.2f}")
+    print(f"\nconcurrency {args.concurrency}, {args.num_prompts} prompts x {args.max_tokens} "
+          f"tokens, {args.device}\n\n| spec | wall s | tok/s | steps | s in steps | "
+          "speculative steps (ms) | step p50 / p99 / max ms | flushes (ms) | GC ms (full) |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for spec, r in results:
+        print(f"| {spec} | {r['wall']:.2f} | {r['tokens'] / r['wall']:.0f} | {r['steps']} "
+              f"| {r['in_steps']:.2f} | {r['spec_steps']} ({r['spec_ms']:.1f}) "
+              f"| {r['p50']:.2f} / {r['p99']:.2f} / {r['max']:.1f} "
+              f"| {r['flushes']} ({r['flush_ms']:.1f}) | {r['gc_ms']:.1f} ({r['gc_full']}) |")
+    if decided is not None:
+        spec, r = results[-1]
+        print(f"\n{spec}: median step ms by position in a forced run (-1: plain steps)")
+        for position, times in sorted(r["by_position"].items()):
+            print(f"  {position:2d}: {1e3 * statistics.median(times):.2f} ({len(times)} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
