@@ -193,9 +193,9 @@ class SpecPolicy:
     def forecast_pays(self, requests: int) -> bool:
         """Whether a speculative step of `requests` is expected to commit tokens faster than
         a plain one, judged before drafting from recent speculative steps (True until there
-        are some); until speculative steps are timed, by the profile alone, which measured
-        steps only ever found slower (host work it does not see)."""
-        if not self.recent.seen:
+        are some, and until a speculative step has been timed: the profile alone can be off
+        by any factor, and plain steps' is measured)."""
+        if not (self.recent.seen and self.spec_scale.seen):
             return True
         n, r = requests, self.recent
         spec_s = self.spec_scale.factor * (
