@@ -82,11 +82,11 @@ class GraphRunner:
         request, or those of at most `max_rows` token rows (bigger batches then run eagerly).
         Largest first, so smaller graphs fit in the memory the largest reserved."""
         assert tokens >= 1, f"{mode.value}: tokens per request {tokens}"
+        self._buckets.clear()  # new keys can hold batches that others held before
         for batch in reversed(self.batch_buckets):
             if max_rows is not None and batch * tokens > max_rows:
                 continue
             key = GraphKey(mode, batch, tokens)
-            self._buckets.clear()
             static = allocate(key, self.dims, self.device)
             graph, outputs = self._capture(key, static) if self.use_cuda_graphs else (None, None)
             self._entries[key] = _Entry(static, graph, outputs)
