@@ -72,6 +72,15 @@ def force_runs(plain: int, speculative: int) -> dict:
     return decided
 
 
+def forced_runs(text: str) -> tuple[int, int]:
+    """argparse type of --forced-runs: 'PLAIN,SPECULATIVE', two positive integers."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected PLAIN,SPECULATIVE step counts, two positive integers (e.g. 40,8)")
+    return int(parts[0]), int(parts[1])
+
+
 def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
               gc_clock: GcClock, decided: dict | None) -> dict:
     """One offline run with every engine step and draft-cache flush timed."""
@@ -126,7 +135,8 @@ def main() -> int:
     ap.add_argument("--specs", default="none,ddtree,none,ddtree",
                     help="comma list of none | ddtree (adaptive) | ddtree:fixed, run in order; "
                          "each engine is built and warmed up with the workload once")
-    ap.add_argument("--forced-runs", default=None, metavar="PLAIN,SPECULATIVE")
+    ap.add_argument("--forced-runs", default=None, type=forced_runs, metavar="PLAIN,SPECULATIVE",
+                    help="two positive integers, e.g. 40,8")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     chat = args.model is not None
@@ -136,7 +146,7 @@ def main() -> int:
         args.model = tempfile.mkdtemp()
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(args.model)
-    decided = force_runs(*map(int, args.forced_runs.split(","))) if args.forced_runs else None
+    decided = force_runs(*args.forced_runs) if args.forced_runs else None
     prompts, gc_clock = prompts_for(args, chat), GcClock()
     engines: dict[str, LLM] = {}
     results = []
