@@ -82,10 +82,12 @@ def profile_spec(target: str, spec: str, args: argparse.Namespace) -> dict:
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, with_stack=bool(args.trace)) as prof:
         for _ in range(args.profiled_steps):
             eng.step()
         sync()
+    if args.trace:
+        prof.export_chrome_trace(f"{args.trace}/{spec.replace(':', '_')}_b{args.batch}.json")
     events = prof.key_averages()
     per = 1.0 / args.profiled_steps
     gpu_ms = sum(e.self_device_time_total for e in events
@@ -118,6 +120,7 @@ def main() -> int:
     ap.add_argument("--host-functions", type=int, default=12,
                     help="Python functions listed by own time, per spec")
     ap.add_argument("--op-tables", action="store_true", help="also print torch.profiler tables")
+    ap.add_argument("--trace", help="folder for a Chrome trace (with Python stacks) per spec")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None)

@@ -56,10 +56,13 @@ class TreeBatch:
     predicted: list[float | None]  # the policy's raw expected accepted drafts per request
 
 
-def _levels(top_lp: torch.Tensor, *, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """best_first_levels as RowGraphs replays it: [R, L, K] -> keys, flat [R, L, width]."""
+def _levels(top_lp: torch.Tensor, *, width: int) -> tuple[torch.Tensor, ...]:
+    """best_first_levels as RowGraphs replays it: [R, L, K] -> keys, flat [R, L, width], and
+    reach [R, width + 1]: the expected accepted drafts of the best b nodes (the sum of their
+    path probabilities, were the drafter calibrated) for b = 0..width."""
     levels = best_first_levels(top_lp, width)
-    return levels.keys, levels.flat
+    best = best_path_logprobs(levels, width).exp().cumsum(1)
+    return levels.keys, levels.flat, torch.cat([best.new_zeros(best.shape[0], 1), best], 1)
 
 
 def _tree_nodes(keys: torch.Tensor, flat: torch.Tensor, top_tok: torch.Tensor,
@@ -98,7 +101,7 @@ class CandidatePlanner:
         budgets = [b for b in self.policy.levels if b > 0] if self.policy else [cfg.tree_budget]
         for rows in buckets:
             top_lp = torch.zeros(rows, depth, k, dtype=torch.float64, device=device)
-            keys, flat = self.tree_levels(top_lp, width=cfg.tree_budget)
+            keys, flat, _ = self.tree_levels(top_lp, width=cfg.tree_budget)
             top_tok = torch.zeros(rows, depth, k, dtype=torch.long, device=device)
             roots = torch.zeros(rows, dtype=torch.long, device=device)
             for budget in budgets:
@@ -197,16 +200,12 @@ class CandidatePlanner:
         k = min(cfg.tree_budget, self._vocab_size, cfg.topk_cap or self._vocab_size)
         top_lp, top_tok = self._top_logprobs(stacked, k, full)  # [R, L, k] each
         # The best-first levels at the full budget serve every smaller budget below.
-        keys, flat = self.tree_levels(top_lp, width=cfg.tree_budget)
+        keys, flat, reach = self.tree_levels(top_lp, width=cfg.tree_budget)
         budgets = [cfg.tree_budget] * len(trees)
         predicted: list[float | None] = [None] * len(trees)
         if self.policy is not None:
             ids = [seqs[i].seq_id for i in trees]
-            # Expected accepted drafts of the best b nodes: the sum of their path probabilities.
-            best = best_path_logprobs(BestFirstLevels(keys, flat), cfg.tree_budget)
-            best = best.exp().cumsum(1)  # [R, budget]
-            best = torch.cat([best.new_zeros(len(trees), 1), best], dim=1).tolist()
-            gains = [[row[min(b, len(row) - 1)] for b in self.policy.levels] for row in best]
+            gains = [[row[b] for b in self.policy.levels] for row in reach.tolist()]
             budgets = self.policy.choose(ids, gains)
             predicted = [g[self.policy.levels.index(b)] for g, b in zip(gains, budgets)]
         if on_device and len(set(budgets)) == 1 and budgets[0] > 0:

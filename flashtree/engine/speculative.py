@@ -16,6 +16,7 @@ from flashtree.engine.candidates import CandidatePlanner, Planned, TreeBatch
 from flashtree.engine.forward_batch import BatchItem, Mode, causal_mask
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.sequence import Sequence
+from flashtree.engine.tree_verify import TreeBatchVerifier, Walk
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.sampling import inverse_cdf, penalize_rows, probabilities, uniform
 from flashtree.spec.dflash import ContextRows, DFlashProposer
@@ -26,7 +27,6 @@ from flashtree.spec.verify import Candidates, greedy_walk, walk
 from flashtree.transfer import lists_to_device, to_device
 
 TREE_SAMPLING_MODES = ("match", "rrs")
-Walk = tuple[list[int], list[int]]  # a request's accepted nodes (root first), committed tokens
 
 
 class Verified(NamedTuple):
@@ -72,6 +72,11 @@ class SpeculativeDecoder:
         self._vocab_start = runner.model.lm_head.vocab_start
         self.stats = SpecStats()
         self.planner = CandidatePlanner(cfg, proposer, runner, policy)
+        self.tree_verifier = None
+        if cfg.method == "ddtree":
+            budgets = [b for b in policy.levels if b > 0] if policy else [cfg.tree_budget]
+            self.tree_verifier = TreeBatchVerifier(runner, cache, proposer,
+                                                   [b + 1 for b in budgets])
 
     def wants_draft(self, requests: int) -> bool:
         """Whether a decode step of `requests` speculates (the adaptive policy may run it
@@ -85,13 +90,14 @@ class SpeculativeDecoder:
         self.proposer.flush()
         plans = self.planner.plan(seqs)
         if isinstance(plans, TreeBatch):
-            walks, features = self._verify_tree_batch(seqs, plans)
-            sizes, predicted = [plans.tokens.shape[1]] * len(seqs), plans.predicted
-        else:
-            walks, features = self._verify(seqs, plans)
-            sizes = [len(p.cand.tokens) for p in plans]
-            predicted = [p.predicted for p in plans]
-        return self._commit(seqs, walks, sizes, predicted, features)
+            assert self.tree_verifier is not None
+            walks = self.tree_verifier.verify(seqs, plans)
+            return self._record(seqs, walks, [plans.tokens.shape[1]] * len(seqs),
+                                plans.predicted)
+        walks, features = self._verify(seqs, plans)
+        sizes = [len(p.cand.tokens) for p in plans]
+        self._keep(seqs, walks, sizes, features)
+        return self._record(seqs, walks, sizes, [p.predicted for p in plans])
 
     def _verify(self, seqs: list[Sequence], plans: list[Planned]
                 ) -> tuple[list[Walk], torch.Tensor]:
@@ -123,57 +129,38 @@ class SpeculativeDecoder:
                 walks.append(walk(plan.cand.children, lambda v, _prev, d=seq_decisions: d[v]))
         return walks, features
 
-    def _verify_tree_batch(self, seqs: list[Sequence], trees: TreeBatch
-                           ) -> tuple[list[Walk], torch.Tensor]:
-        """`_verify` for greedy requests whose trees all have N nodes, without reading the
-        trees on the host: the forward's token ids and positions come from the device tensors,
-        and the walks' result (with the accepted nodes' tokens) is the step's one device read."""
-        r, n = trees.tokens.shape
-        device = trees.tokens.device
-        starts = to_device([s.num_computed for s in seqs], device)
-        ids = trees.tokens.flatten()
-        positions = (starts[:, None] + trees.depth).flatten()
-        items = [BatchItem(s.seq_id, s.num_computed, [0] * n, all_logits=True, positions=[0] * n,
-                           visible=trees.visible[i]) for i, s in enumerate(seqs)]
-        logits, features = self.runner.forward(Mode.VERIFY, items, gather_logits=False,
-                                               device_inputs=(ids, positions))
-        assert features is not None, "verify must capture the drafter's target layers"
-        argmax = vocab_argmax(logits, self._vocab_start).view(r, n)
-        w = greedy_walk(trees.tokens, trees.parent, torch.full((r,), n, device=device), argmax)
-        path_tokens = trees.tokens.gather(1, w.path.clamp(max=n - 1))  # [R, N]
-        result = torch.cat([w.num_accepted[:, None], w.bonus[:, None], w.path, path_tokens],
-                           1).tolist()
-        walks = []
-        for count, bonus, *rest in result:
-            path, tokens = rest[:n][:count], rest[n:][:count]
-            walks.append((path, tokens[1:] + [bonus]))
-        return walks, features
-
-    def _commit(self, seqs: list[Sequence], walks: list[Walk],
-                sizes: list[int], predicted: list[float | None], features: torch.Tensor
-                ) -> list[Verified]:
-        """Keep the accepted nodes' KV and features, record the policy's and stats' inputs;
-        `sizes`: each request's verified nodes (root included), in forward row order."""
-        kept, kept_rows, committed, base = [], [], [], 0
-        for seq, (path, new), n, expected in zip(seqs, walks, sizes, predicted):
+    def _keep(self, seqs: list[Sequence], walks: list[Walk], sizes: list[int],
+              features: torch.Tensor) -> None:
+        """Keep the accepted nodes' target KV (moved to logical indices start..) and inject
+        their features into the draft cache; `sizes`: each request's verified nodes (root
+        included), in forward row order."""
+        kept, kept_rows, base = [], [], 0
+        for seq, (path, _), n in zip(seqs, walks, sizes):
             kept.append((seq.seq_id, seq.num_computed, path))
             kept_rows += [base + v for v in path]
+            base += n
+        # One batched move, and one gather of their features for the draft KV.
+        self.pages.keep(self.cache, kept)
+        kept_features = features[to_device(kept_rows, features.device)]
+        self.proposer.inject([ContextRows(kept_features, tuple(
+            (seq_id, start, len(path)) for seq_id, start, path in kept))])
+
+    def _record(self, seqs: list[Sequence], walks: list[Walk], sizes: list[int],
+                predicted: list[float | None]) -> list[Verified]:
+        """Advance the requests past their accepted nodes (the caches hold them) and record
+        the policy's and stats' inputs."""
+        committed, accepted = [], 0
+        for seq, (path, new), n, expected in zip(seqs, walks, sizes, predicted):
+            seq.num_computed += len(path)
+            self.pages.set_length(seq.seq_id, seq.num_computed)
             committed.append(Verified(new, n - 1))
+            accepted += len(path) - 1
             if self.policy is not None and expected is not None:
                 self.policy.observe(seq.seq_id, len(path) - 1, expected)
             self.stats.record_budget(n - 1)
-            base += n
-        # The accepted nodes' KV moves to logical indices start.., the rest is dropped: one
-        # batched move, and one gather of their features for the draft KV.
-        self.pages.keep(self.cache, kept)
-        kept_features = features[to_device(kept_rows, features.device)]
-        for seq, (_, start, path) in zip(seqs, kept):
-            seq.num_computed = start + len(path)
-        self.proposer.inject([ContextRows(kept_features, tuple(
-            (seq_id, start, len(path)) for seq_id, start, path in kept))])
         if self.policy is not None:
             self.policy.observe_speculation(len(seqs), sum(v.num_candidates for v in committed),
-                                            len(kept_rows) - len(seqs))
+                                            accepted)
             self.policy.forget({s.seq_id for s in seqs})
         return committed
 

@@ -32,8 +32,12 @@ class DraftTrees:
 
 
 def topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., V] logits -> the k largest full-vocabulary log-probabilities (float64) and ids."""
-    return torch.log_softmax(draft_logits.double(), dim=-1).topk(k, dim=-1)
+    """[..., V] logits -> the k largest full-vocabulary log-probabilities (float64) and ids.
+    The top-k runs on the logits as given (the log-softmax keeps their order, and a float64
+    top-k over the vocabulary costs twice the radix passes); only the winners and the
+    normaliser are float64."""
+    value, index = draft_logits.topk(k, dim=-1)
+    return value.double() - torch.logsumexp(draft_logits.double(), dim=-1, keepdim=True), index
 
 
 def build_trees(

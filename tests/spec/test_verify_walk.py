@@ -8,6 +8,7 @@ import random
 
 import torch
 
+from flashtree.engine.tree_verify import walk_and_keep
 from flashtree.spec.verify import Candidates, greedy_walk, walk
 
 
@@ -55,3 +56,36 @@ def test_greedy_walk_matches_reference_walk():
             assert w.path[i, :count].tolist() == path, (c, d)
             assert (w.path[i, count:] == n).all()
             assert [c.tokens[v] for v in path[1:]] + [int(w.bonus[i])] == out
+
+
+def test_walk_and_keep_moves_exactly_the_accepted_nodes_into_place():
+    """The device commit of a tree batch: per request, row j < accepted count moves the KV of
+    accepted node path[j] (its verify slot) to row j's slot at position start + j; every
+    other row moves scratch onto scratch. Oracle: the reference walk on the host."""
+    rng = random.Random(1)
+    vocab, scratch = 4, 10_000
+    for _ in range(100):
+        n = rng.randint(1, 10)
+        cands = []
+        while len(cands) < rng.randint(1, 4):
+            c = _random_candidates(rng, n, vocab)
+            if len(c.tokens) == n:  # a tree batch: every tree has the same node count
+                cands.append(c)
+        decisions = [[rng.choice(list(ch)) if ch and rng.random() < 0.8 else rng.randrange(vocab)
+                      for ch in c.children] for c in cands]
+        slots = torch.randperm(1000)[: len(cands) * n].view(len(cands), n)
+        starts = torch.randint(0, 500, (len(cands),))
+        result, path, src, dst, positions = walk_and_keep(
+            torch.tensor([c.tokens for c in cands]), torch.tensor([c.parents for c in cands]),
+            torch.tensor(decisions), slots, starts, scratch=scratch)
+        for i, (c, d) in enumerate(zip(cands, decisions)):
+            nodes, out = walk(c.children, lambda v, _prev, d=d: d[v])
+            count, bonus, *rest = result[i].tolist()
+            assert count == len(nodes) and rest[:count] == nodes
+            assert rest[n : n + count] == [c.tokens[v] for v in nodes]
+            assert [c.tokens[v] for v in nodes[1:]] + [bonus] == out
+            assert path[i, :count].tolist() == nodes
+            assert src[i, :count].tolist() == [int(slots[i, v]) for v in nodes]
+            assert dst[i, :count].tolist() == slots[i, :count].tolist()
+            assert (src[i, count:] == scratch).all() and (dst[i, count:] == scratch).all()
+            assert positions[i].tolist() == list(range(int(starts[i]), int(starts[i]) + n))
