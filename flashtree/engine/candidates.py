@@ -41,7 +41,8 @@ class Planned:
     cand: Candidates
     depths: list[int]
     draft_probs: torch.Tensor | None  # [L, V] q rows when the candidates were sampled (RRS)
-    predicted: float | None = None  # the policy's raw expected accepted drafts (adaptive)
+    # The policy's raw expected accepted drafts (adaptive chains; trees': `settle`).
+    predicted: float | None = None
 
 
 @dataclass
@@ -53,7 +54,6 @@ class TreeBatch:
     parent: torch.Tensor  # [R, N] int64
     depth: torch.Tensor  # [R, N] int64
     visible: torch.Tensor  # [R, N, N] bool
-    predicted: list[float | None]  # the policy's raw expected accepted drafts per request
 
 
 def _levels(top_lp: torch.Tensor, *, width: int) -> tuple[torch.Tensor, ...]:
@@ -87,6 +87,9 @@ class CandidatePlanner:
         buckets = graphs.batch_buckets if graphs is not None else []
         use_graphs = graphs is not None and graphs.use_cuda_graphs
         self.device = runner.device
+        # The policy's trees of this step, until `settle`: seq ids, budgets, [R, width + 1]
+        # reach on the device.
+        self._unsettled: tuple[list[int], list[int], torch.Tensor] | None = None
         self.tree_levels = RowGraphs(_levels, buckets, self.device, use_graphs)
         self.tree_nodes = RowGraphs(_tree_nodes, buckets, self.device, use_graphs)
         if use_graphs and cfg.method == "ddtree":
@@ -202,21 +205,18 @@ class CandidatePlanner:
         # The best-first levels at the full budget serve every smaller budget below.
         keys, flat, reach = self.tree_levels(top_lp, width=cfg.tree_budget)
         budgets = [cfg.tree_budget] * len(trees)
-        predicted: list[float | None] = [None] * len(trees)
         if self.policy is not None:
             ids = [seqs[i].seq_id for i in trees]
-            gains = [[row[b] for b in self.policy.levels] for row in reach.tolist()]
-            budgets = self.policy.choose(ids, gains)
-            predicted = [g[self.policy.levels.index(b)] for g, b in zip(gains, budgets)]
+            budgets = self.policy.choose(ids, [self.policy.expected_gains(i) for i in ids])
+            self._unsettled = (ids, budgets, reach)
         if on_device and len(set(budgets)) == 1 and budgets[0] > 0:
             nodes, visible = self.tree_nodes(keys, flat, top_tok, roots, budget=budgets[0])
-            return TreeBatch(nodes[:, 0], nodes[:, 1], nodes[:, 2], visible, predicted)
+            return TreeBatch(nodes[:, 0], nodes[:, 1], nodes[:, 2], visible)
         for budget in sorted(set(budgets)):
             group = [j for j, b in enumerate(budgets) if b == budget]
             if budget == 0:
                 for j in group:
-                    plans[trees[j]] = Planned(Candidates.chain(root_ids[j], []), [0], None,
-                                               predicted[j])
+                    plans[trees[j]] = Planned(Candidates.chain(root_ids[j], []), [0], None)
                 continue
             index = group if len(group) < len(trees) else slice(None)
             nodes, visible = self.tree_nodes(keys[index], flat[index], top_tok[index],
@@ -226,7 +226,22 @@ class CandidatePlanner:
                 i = trees[j]
                 cand = Candidates.tree(tokens, parents, depths, seqs[i].num_computed,
                                        visible[g])
-                plans[i] = Planned(cand, depths, None, predicted[j])
+                plans[i] = Planned(cand, depths, None)
+
+    def settle(self) -> dict[int, float]:
+        """After the step's device read: each drafted tree's expected accepted drafts at its
+        chosen budget (seq_id -> raw gain; the calibration's `predicted`), its gains at every
+        level noted for the request's next choice."""
+        if self._unsettled is None:
+            return {}
+        ids, budgets, reach = self._unsettled
+        self._unsettled = None
+        assert self.policy is not None
+        predicted = {}
+        for seq_id, budget, row in zip(ids, budgets, reach.tolist()):
+            self.policy.note_reach(seq_id, [row[b] for b in self.policy.levels])
+            predicted[seq_id] = row[budget]
+        return predicted
 
     def _top_logprobs(self, logits: torch.Tensor, k: int, full: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:

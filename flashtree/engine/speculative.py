@@ -92,12 +92,14 @@ class SpeculativeDecoder:
         if isinstance(plans, TreeBatch):
             assert self.tree_verifier is not None
             walks = self.tree_verifier.verify(seqs, plans)
-            return self._record(seqs, walks, [plans.tokens.shape[1]] * len(seqs),
-                                plans.predicted)
-        walks, features = self._verify(seqs, plans)
-        sizes = [len(p.cand.tokens) for p in plans]
-        self._keep(seqs, walks, sizes, features)
-        return self._record(seqs, walks, sizes, [p.predicted for p in plans])
+            sizes, predicted = [plans.tokens.shape[1]] * len(seqs), [None] * len(seqs)
+        else:
+            walks, features = self._verify(seqs, plans)
+            sizes, predicted = [len(p.cand.tokens) for p in plans], [p.predicted for p in plans]
+            self._keep(seqs, walks, sizes, features)
+        settled = self.planner.settle()
+        predicted = [settled.get(s.seq_id, p) for s, p in zip(seqs, predicted)]
+        return self._record(seqs, walks, sizes, predicted)
 
     def _verify(self, seqs: list[Sequence], plans: list[Planned]
                 ) -> tuple[list[Walk], torch.Tensor]:

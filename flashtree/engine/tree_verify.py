@@ -59,10 +59,14 @@ class TreeBatchVerifier:
         buckets = graphs.batch_buckets if graphs is not None else []
         self.walks = RowGraphs(walk_and_keep, buckets, runner.device, use_graphs)
         if use_graphs:
-            for rows in buckets:
-                for n in tree_sizes:
-                    nodes = torch.zeros(rows, n, dtype=torch.long, device=runner.device)
-                    self.walks(nodes, nodes, nodes, nodes, nodes[:, 0], scratch=self._scratch)
+            self.capture(tree_sizes)
+
+    def capture(self, tree_sizes: list[int]) -> None:
+        """Run (capture) the walk for every bucket of `self.walks` and tree size."""
+        for rows in self.walks.buckets:
+            for n in tree_sizes:
+                nodes = torch.zeros(rows, n, dtype=torch.long, device=self.runner.device)
+                self.walks(nodes, nodes, nodes, nodes, nodes[:, 0], scratch=self._scratch)
 
     def verify(self, seqs: list[Sequence], trees: TreeBatch) -> list[Walk]:
         """Verify and commit on the device; return per request the accepted nodes (root

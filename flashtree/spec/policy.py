@@ -168,6 +168,8 @@ class SpecPolicy:
     spec_steps: int = 0  # speculative steps since the last plain probe
     predicted_s: float = 0.0  # forward seconds the last choice expects (draft + verify)
     run_length: int = 0  # speculative steps in a row up to the last observed one
+    reach: dict[int, list[float]] = field(default_factory=dict)  # per request: its last tree's
+    recent_reach: list[float] | None = None  # raw gains per level, and their recent average
 
     def should_draft(self, requests: int) -> bool:
         """False (the step runs plain) while the last probe said plain decoding is faster, or
@@ -229,6 +231,25 @@ class SpecPolicy:
             self.backoff = 0
         return [self.levels[j] for j in picks]
 
+    def expected_gains(self, seq_id: int) -> list[float]:
+        """Raw gains per level for a request's next tree, before it is drafted (choosing after
+        drafting would make the host wait for the draft): its last tree's, as a request's
+        trees change little from one step to the next; else recent trees' average; else every
+        node accepted (the first steps then measure what speculation gives)."""
+        own = self.reach.get(seq_id)
+        if own is not None:
+            return own
+        return self.recent_reach if self.recent_reach is not None else [float(b) for b in
+                                                                         self.levels]
+
+    def note_reach(self, seq_id: int, gains: list[float]) -> None:
+        """A drafted tree's raw gains per level (the sums of its best nodes' path
+        probabilities), for the request's next choice."""
+        self.reach[seq_id] = gains
+        old = self.recent_reach
+        self.recent_reach = gains if old is None else [
+            o + _RECENT_RATE * (g - o) for o, g in zip(old, gains)]
+
     def observe_step(self, speculative: bool, requests: int, seconds: float) -> None:
         """A decode step of `requests` took `seconds` of wall time: learn how far the profile
         is from it. The first _WARM_STEPS speculative steps after plain ones are not counted:
@@ -257,3 +278,5 @@ class SpecPolicy:
         """Drop the calibration of requests that are gone."""
         for seq_id in [s for s in self.requests if s not in live]:
             del self.requests[seq_id]
+        for seq_id in [s for s in self.reach if s not in live]:
+            del self.reach[seq_id]

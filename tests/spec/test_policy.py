@@ -167,8 +167,8 @@ def test_adaptive_engine_is_lossless_with_varying_budgets_and_plain_steps(small_
 
 
 def test_tree_build_captured_at_start_covers_every_step(small_pair, tmp_path, monkeypatch):
-    """On CUDA the DDTree build replays graphs captured at start for every batch bucket and
-    budget the policy can pick: no step may need a shape that was not captured (capturing it
+    """On CUDA the DDTree build and the greedy walk replay graphs captured at start for every
+    batch bucket and budget the policy can pick: no step may need a shape that was not captured (capturing it
     then would stall that step). Checked with the same padded static buffers on CPU."""
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
     target, drafter = small_pair
@@ -184,7 +184,14 @@ def test_tree_build_captured_at_start_covers_every_step(small_pair, tmp_path, mo
     captured = set(planner.tree_levels._entries), set(planner.tree_nodes._entries)
     assert len(captured[1]) == len(buckets) * (len(spec.policy.levels) - 1)
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    walks = spec.tree_verifier.walks = RowGraphs(spec.tree_verifier.walks.fn, buckets, cpu,
+                                                 use_cuda_graphs=False)
+    spec.tree_verifier.capture([b + 1 for b in spec.policy.levels if b > 0])
+    captured_walks = set(walks._entries)
+    assert len(captured_walks) == len(buckets) * (len(spec.policy.levels) - 1)
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert (set(planner.tree_levels._entries), set(planner.tree_nodes._entries)) == captured
+    assert set(walks._entries) == captured_walks
     assert len(spec.stats.budgets) >= 3, spec.stats.budgets
 
 
@@ -304,6 +311,25 @@ def test_switching_steps_do_not_time_speculation():
     policy.spec_scale.add(3 * steady, steady)
     policy.choose(list(range(4)), gains)
     assert policy.backoff == 1
+
+
+def test_trees_are_chosen_from_each_requests_last_tree_before_drafting():
+    """DDTree budgets are chosen before the drafter runs (no wait for the draft): from the
+    request's last tree's gains; for a new request, from recent trees' average; before any
+    tree, from every node accepted (so the first steps speculate and measure). A request's
+    history goes with it."""
+    policy = SpecPolicy(_cost(per_token=0.05, base=1.0, draft=0.2), LEVELS)
+    assert policy.expected_gains(7) == [float(b) for b in LEVELS]
+    assert max(policy.choose([7], [policy.expected_gains(7)])) == 15
+    policy.note_reach(7, _chain_gains(0.05))
+    assert policy.expected_gains(7) == _chain_gains(0.05)
+    assert policy.expected_gains(8) == _chain_gains(0.05)  # the only tree so far
+    policy.note_reach(8, _chain_gains(0.95))
+    assert policy.choose([7, 8], [policy.expected_gains(7), policy.expected_gains(8)])[0] == 0
+    mixed = policy.expected_gains(9)
+    assert _chain_gains(0.05)[-1] < mixed[-1] < _chain_gains(0.95)[-1]
+    policy.forget({8})
+    assert policy.expected_gains(7) == mixed and policy.expected_gains(8) == _chain_gains(0.95)
 
 
 def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, monkeypatch):
