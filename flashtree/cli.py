@@ -154,6 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from flashtree import LLM
+    from flashtree.engine.heap import freeze_startup_heap
     from flashtree.server.app import ServerConfig, ServerState, build_app, load_in_background
 
     cfg = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
@@ -162,13 +163,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state = ServerState()
 
     def make_llm():
-        return LLM(model=args.model, draft=args.draft, spec=args.spec,
-                   block_size=args.block_size, tree_budget=args.tree_budget,
-                   topk_cap=args.topk_cap, tree_sampling=args.tree_sampling,
-                   spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
-                   device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                   max_num_seqs=args.max_num_seqs, seed=args.seed,
-                   tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
+        llm = LLM(model=args.model, draft=args.draft, spec=args.spec,
+                  block_size=args.block_size, tree_budget=args.tree_budget,
+                  topk_cap=args.topk_cap, tree_sampling=args.tree_sampling,
+                  spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
+                  device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, seed=args.seed,
+                  tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
+        freeze_startup_heap()
+        return llm
 
     load_in_background(state, make_llm)
     # SIGTERM: uvicorn stops accepting connections and lets running requests finish.

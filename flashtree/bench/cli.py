@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import platform
 import shlex
 import sys
@@ -108,6 +109,7 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
 
     from flashtree import LLM
     from flashtree.bench.offline import run_offline
+    from flashtree.engine.heap import freeze_startup_heap
 
     specs = [s for s in args.spec.split(",") if s]
     methods = [parse_method(s) for s in specs]
@@ -123,6 +125,7 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
         llm = LLM(model=args.model, draft=None if method.spec == "none" else args.draft,
                   block_size=args.block_size, device=args.device, dtype=args.dtype,
                   max_num_seqs=max(args.concurrency), seed=args.seed, **method.llm_kwargs(args))
+        freeze_startup_heap()  # as `flashtree serve` does
         device = llm.device
         for name in datasets:
             prompts = load_dataset(name, args.num_prompts, args.seed,
@@ -140,6 +143,7 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
                              **summarize(records, duration),
                              "budget_histogram": _counts_since(before, _budgets(llm))})
         del llm
+        gc.unfreeze()  # the engine's own reference cycles can go now
     bar.close()
     what = f"device {device}, {torch.get_num_threads()} threads; model {args.model}" + (
         f", draft {args.draft}" if args.draft else "")

@@ -168,8 +168,9 @@ def test_adaptive_engine_is_lossless_with_varying_budgets_and_plain_steps(small_
 
 def test_tree_build_captured_at_start_covers_every_step(small_pair, tmp_path, monkeypatch):
     """On CUDA the DDTree build and the greedy walk replay graphs captured at start for every
-    batch bucket and budget the policy can pick: no step may need a shape that was not captured (capturing it
-    then would stall that step). Checked with the same padded static buffers on CPU."""
+    batch bucket and budget the policy can pick: no step may need a shape that was not
+    captured (capturing it then would stall that step). Checked with the same padded static
+    buffers on CPU."""
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
     target, drafter = small_pair
     llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
