@@ -7,8 +7,9 @@ other model with a tokenizer) or random tokens on a SmolLM2-135M-shaped random t
     python benchmarks/step_breakdown.py --model M.gguf --concurrency 1 --forced-runs 40,8
 
 `--forced-runs P,S` replaces the adaptive policy's choice by P plain steps then S speculative
-steps (full budget), over and over, and reports the median step time by position in a run:
-what switching to speculation costs on top of a run's steady steps.
+steps (full budget), over and over, and reports the median step time and mean accepted drafts
+by position in a run: what switching to speculation costs on top of a run's steady steps, and
+whether the drafter accepts as much right after plain steps.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
     eng = llm.engine
     steps: list[tuple[float, int]] = []  # (seconds, speculative drafts so far)
     by_position: dict[int, list[float]] = {}
+    accepted_by_position: dict[int, list[int]] = {}  # accepted drafts per speculative step
     engine_step, flush = eng.step, eng.proposer.flush if eng.proposer else None
     flushes = [0.0, 0]
 
@@ -94,11 +96,16 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
         position = -1
         if decided is not None:  # this step's place in the forced pattern (-1: plain)
             position = decided["steps"] % decided["period"] - decided["plain"]
+        stats = eng.speculative.stats if eng.speculative else None
+        accepted = stats.num_accepted_tokens if stats else 0
         start = time.perf_counter()
         out = engine_step()
         seconds = time.perf_counter() - start
-        steps.append((seconds, eng.speculative.stats.num_drafts if eng.speculative else 0))
+        steps.append((seconds, stats.num_drafts if stats else 0))
         by_position.setdefault(max(position, -1), []).append(seconds)
+        if position >= 0:
+            accepted_by_position.setdefault(position, []).append(
+                stats.num_accepted_tokens - accepted)
         return out
 
     def timed_flush():
@@ -111,7 +118,10 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
     if flush is not None:
         eng.proposer.flush = timed_flush
     gc_clock.seconds, gc_clock.full = 0.0, 0
+    stats = eng.speculative.stats if eng.speculative else None
+    accepted_before = stats.num_accepted_tokens if stats else 0
     records, wall = run_offline(llm, prompts, args.concurrency, args.max_tokens)
+    accepted = (stats.num_accepted_tokens - accepted_before) if stats else 0
     del eng.step
     if flush is not None:
         del eng.proposer.flush
@@ -119,11 +129,12 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
     speculative = [s for i, (s, d) in enumerate(steps) if d != (steps[i - 1][1] if i else 0)]
     return {"wall": wall, "tokens": sum(r.num_output for r in records), "steps": len(steps),
             "in_steps": sum(times), "spec_steps": len(speculative),
-            "spec_ms": 1e3 * sum(speculative), "p50": 1e3 * times[len(times) // 2],
+            "spec_ms": 1e3 * sum(speculative), "accepted": accepted,
+            "p50": 1e3 * times[len(times) // 2],
             "p99": 1e3 * times[int(len(times) * 0.99)], "max": 1e3 * times[-1],
             "flush_ms": 1e3 * flushes[0], "flushes": flushes[1],
             "gc_ms": 1e3 * gc_clock.seconds, "gc_full": gc_clock.full,
-            "by_position": by_position}
+            "by_position": by_position, "accepted_by_position": accepted_by_position}
 
 
 def main() -> int:
@@ -170,18 +181,24 @@ def main() -> int:
                   f"{p.recent.verified:.2f}/{p.recent.accepted:.2f}")
     print(f"\nconcurrency {args.concurrency}, {args.num_prompts} prompts x {args.max_tokens} "
           f"tokens, {args.device}\n\n| spec | wall s | tok/s | steps | s in steps | "
-          "speculative steps (ms) | step p50 / p99 / max ms | flushes (ms) | GC ms (full) |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "speculative steps (ms) | accepted drafts per speculative step "
+          "| step p50 / p99 / max ms | flushes (ms) | GC ms (full) |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for spec, r in results:
         print(f"| {spec} | {r['wall']:.2f} | {r['tokens'] / r['wall']:.0f} | {r['steps']} "
               f"| {r['in_steps']:.2f} | {r['spec_steps']} ({r['spec_ms']:.1f}) "
+              f"| {r['accepted'] / max(r['spec_steps'], 1):.2f} "
               f"| {r['p50']:.2f} / {r['p99']:.2f} / {r['max']:.1f} "
               f"| {r['flushes']} ({r['flush_ms']:.1f}) | {r['gc_ms']:.1f} ({r['gc_full']}) |")
     if decided is not None:
         spec, r = results[-1]
-        print(f"\n{spec}: median step ms by position in a forced run (-1: plain steps)")
+        print(f"\n{spec}: median step ms (mean accepted drafts) by position in a forced run "
+              "(-1: plain steps)")
         for position, times in sorted(r["by_position"].items()):
-            print(f"  {position:2d}: {1e3 * statistics.median(times):.2f} ({len(times)} steps)")
+            accepted = r["accepted_by_position"].get(position)
+            drafts = f" ({statistics.mean(accepted):.2f})" if accepted else ""
+            print(f"  {position:2d}: {1e3 * statistics.median(times):.2f}{drafts} "
+                  f"({len(times)} steps)")
     return 0
 
 

@@ -87,8 +87,9 @@ class CandidatePlanner:
         buckets = graphs.batch_buckets if graphs is not None else []
         use_graphs = graphs is not None and graphs.use_cuda_graphs
         self.device = runner.device
-        # The policy's trees of this step, until `settle`: seq ids, budgets, [R, width + 1]
-        # reach on the device.
+        # The policy's tree budgets for the next step's requests (`choose_trees`), then this
+        # step's trees until `settle`: seq ids, budgets, [R, width + 1] reach on the device.
+        self._chosen: dict[int, int] = {}
         self._unsettled: tuple[list[int], list[int], torch.Tensor] | None = None
         self.tree_levels = RowGraphs(_levels, buckets, self.device, use_graphs)
         self.tree_nodes = RowGraphs(_tree_nodes, buckets, self.device, use_graphs)
@@ -109,6 +110,19 @@ class CandidatePlanner:
             roots = torch.zeros(rows, dtype=torch.long, device=device)
             for budget in budgets:
                 self.tree_nodes(keys, flat, top_tok, roots, budget=budget)
+
+    def choose_trees(self, seqs: list[Sequence]) -> None:
+        """The policy's DDTree budgets for a drafting step of `seqs`, from each request's
+        recent trees (choosing after drafting would make the host wait for the draft)."""
+        assert self.policy is not None
+        ids = [s.seq_id for s in seqs if not self._samples_tree(s)]
+        if ids:
+            budgets = self.policy.choose(ids, [self.policy.expected_gains(i) for i in ids])
+            self._chosen = dict(zip(ids, budgets))
+
+    def _samples_tree(self, seq: Sequence) -> bool:
+        """RRS requests' candidates are sampled from the draft, at the full budget."""
+        return self.cfg.tree_sampling == "rrs" and not seq.params.greedy
 
     def plan(self, seqs: list[Sequence]) -> list[Planned] | TreeBatch:
         """Every request's candidates: host plans, or (greedy DDTree steps whose trees share
@@ -145,7 +159,7 @@ class CandidatePlanner:
         chains, trees = [], []  # indices of requests with deterministic candidates
         for i, s in enumerate(seqs):
             draft = rows.get(s.seq_id)
-            if draft is not None and cfg.tree_sampling == "rrs" and not s.params.greedy:
+            if draft is not None and self._samples_tree(s):
                 plans[i] = self._sampled(s, draft)
             elif draft is None or cfg.method == "dflash":
                 chains.append(i)
@@ -193,9 +207,8 @@ class CandidatePlanner:
                     rows: dict[int, torch.Tensor], full: bool,
                     plans: list[Planned | None], on_device: bool) -> TreeBatch | None:
         """DDTree candidates: the best-first tree of the full budget, or (adaptive) of the
-        budget the policy picks from the trees' own path probabilities. `on_device` (every
-        request a greedy tree): when all share one budget, return them as a TreeBatch
-        instead of filling `plans`."""
+        budget `choose_trees` picked. `on_device` (every request a greedy tree): when all
+        share one budget, return them as a TreeBatch instead of filling `plans`."""
         cfg = self.cfg
         stacked = torch.stack([rows[seqs[i].seq_id] for i in trees])
         root_ids = [seqs[i].last_token for i in trees]
@@ -207,7 +220,7 @@ class CandidatePlanner:
         budgets = [cfg.tree_budget] * len(trees)
         if self.policy is not None:
             ids = [seqs[i].seq_id for i in trees]
-            budgets = self.policy.choose(ids, [self.policy.expected_gains(i) for i in ids])
+            budgets = [self._chosen[i] for i in ids]
             self._unsettled = (ids, budgets, reach)
         if on_device and len(set(budgets)) == 1 and budgets[0] > 0:
             nodes, visible = self.tree_nodes(keys, flat, top_tok, roots, budget=budgets[0])

@@ -100,8 +100,10 @@ class LLMEngine:
         if self.proposer is not None:
             policy = None
             if args.spec_policy == "adaptive":
+                # Wall times differ between TP ranks, whose choices must agree: TP goes by
+                # the profile.
                 policy = SpecPolicy(self._cost_model(spec_cfg, drafter),
-                                    budget_levels(spec_cfg.max_budget))
+                                    budget_levels(spec_cfg.max_budget), timed=get_tp_size() == 1)
             self.speculative = SpeculativeDecoder(spec_cfg, self.proposer, self.runner,
                                                   self.cache, self.pages, policy)
         self._ids = itertools.count()
@@ -204,7 +206,8 @@ class LLMEngine:
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
         if self.speculative is None or not chunks[0].decode:
             return self._plain_step(chunks)
-        speculate = self.speculative.wants_draft(len(chunks)) and self._reserve_lookahead(chunks)
+        speculate = (self.speculative.wants_draft([c.seq for c in chunks])
+                     and self._reserve_lookahead(chunks))
         if speculate:
             # The draft cache catches up on the plain steps' context rows outside the timed
             # step: the policy weighs a speculative step against plain ones, not that backlog.
@@ -216,8 +219,7 @@ class LLMEngine:
             self.speculative.stats.record_budget(0, len(chunks))  # the policy chose plain
             done = self._plain_step(chunks)
         policy = self.speculative.policy
-        # Wall times differ between TP ranks, whose choices must agree: TP uses the profile.
-        if policy is not None and get_tp_size() == 1:
+        if policy is not None and policy.timed:
             policy.observe_step(speculate, len(chunks), time.perf_counter() - start)
         return done
 

@@ -78,10 +78,16 @@ class SpeculativeDecoder:
             self.tree_verifier = TreeBatchVerifier(runner, cache, proposer,
                                                    [b + 1 for b in budgets])
 
-    def wants_draft(self, requests: int) -> bool:
-        """Whether a decode step of `requests` speculates (the adaptive policy may run it
-        plain)."""
-        return self.policy is None or self.policy.should_draft(requests)
+    def wants_draft(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of `seqs` speculates (the adaptive policy may run it plain,
+        and chooses DDTree budgets here, before drafting)."""
+        if self.policy is None:
+            return True
+        if not self.policy.should_draft(len(seqs)):
+            return False
+        if self.cfg.method == "ddtree":
+            self.planner.choose_trees(seqs)
+        return True
 
     def step(self, seqs: list[Sequence]) -> list[Verified]:
         """Returns what each request commits (accepted drafts + the target's next one) and how
@@ -160,9 +166,10 @@ class SpeculativeDecoder:
             if self.policy is not None and expected is not None:
                 self.policy.observe(seq.seq_id, len(path) - 1, expected)
             self.stats.record_budget(n - 1)
+        verified = sum(v.num_candidates for v in committed)
         if self.policy is not None:
-            self.policy.observe_speculation(len(seqs), sum(v.num_candidates for v in committed),
-                                            accepted)
+            if verified:  # a step that verified no draft says nothing about speculation
+                self.policy.observe_speculation(len(seqs), verified, accepted)
             self.policy.forget({s.seq_id for s in seqs})
         return committed
 

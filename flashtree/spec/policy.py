@@ -9,12 +9,16 @@ candidate set is the sum of q over its nodes (the target's path passes through n
 probability q(u)). Real drafters are not calibrated, so each request scales these sums by its
 own ratio of accepted to predicted drafts (shrunk towards the batch's ratio while it has few
 steps). Budgets come from a fixed ladder (`budget_levels`), so the step shapes stay in the set
-that CUDA graphs capture; budget 0 verifies the bonus token alone (a plain decode step)."""
+that CUDA graphs capture; budget 0 verifies the bonus token alone (a plain decode step).
+
+Whether a step drafts at all is decided first, for the batch: from recent speculative steps'
+measured times and acceptance against measured plain steps (`SpecPolicy.should_draft`)."""
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,12 +26,16 @@ from dataclasses import dataclass, field
 POLICIES = ("adaptive", "fixed")
 _DECAY = 0.9  # weight of the past in the acceptance sums, per step
 _PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
-_MAX_BACKOFF = 256  # at most this many plain steps between two probes of speculation
-_RECENT_RATE = 0.2  # weight of the newest speculative step in RecentSpeculation
+_MIN_BACKOFF = 8  # plain steps after the first verdict against speculation
+_MAX_BACKOFF = 1024  # at most this many plain steps between two probes of speculation
+# Weight of the newest speculative step in RecentSpeculation: a step's accepted drafts vary
+# a lot (0 to the whole block), and a forecast that drifts with them holds speculation off where
+# it pays by a tenth; this averages over a few hundred steps.
+_RECENT_RATE = 0.005
 _SCALE_SAMPLES = 8  # steps whose median measured/predicted ratio corrects the profile
 _PLAIN_PROBE = 64  # speculative steps in a row before one plain step re-measures plain decoding
-_FORCED_PROBE = 1024  # plain steps the forecast may choose in a row before a real probe
 _WARM_STEPS = 2  # speculative steps after plain ones whose times are not counted
+_PROBE_STEPS = _WARM_STEPS + 2  # a probe's speculative steps: two of them are timed
 
 
 def budget_levels(max_budget: int) -> tuple[int, ...]:
@@ -69,13 +77,15 @@ def choose_budgets(
 ) -> tuple[list[int], float]:
     """Per request, an index into `levels`, maximising
     (N + sum_r gains[r][j_r]) / (draft_s + T(N + sum_r levels[j_r])) for N requests whose
-    expected accepted drafts at level j are gains[r][j] (gains[r][0] == 0, budget 0). Greedy:
-    upgrades are taken in order of gain per extra verified token, and the best prefix of that
-    order is kept. Returns (the chosen level indices, the expected tokens per second)."""
+    expected accepted drafts at level j are gains[r][j] (gains[r][0] == 0, budget 0), with at
+    least one draft verified (whether to draft at all is decided before, by measured steps).
+    Greedy: upgrades are taken in order of gain per extra verified token, and the best
+    non-empty prefix of that order is kept. Returns (the chosen level indices, the expected
+    tokens per second)."""
     n = len(gains)
     chosen = [0] * n
     tokens, expected = n, float(n)
-    best_value = expected / (draft_s + cost.target_s(tokens))
+    best_value = -1.0
     best_prefix: list[tuple[int, int]] = []
     taken: list[tuple[int, int]] = []
     heap = [(-_rate(g, levels, 0), r) for r, g in enumerate(gains) if len(levels) > 1]
@@ -137,34 +147,57 @@ class StepScale:
 @dataclass
 class RecentSpeculation:
     """Moving averages, per request and speculative step, of the drafts verified and accepted:
-    what a step at the current drafter quality commits, before any drafting."""
+    what a step at the current drafter quality commits, before any drafting. The plain mean
+    while there are fewer than 1 / _RECENT_RATE steps (the first steps do not weigh more)."""
 
     verified: float = 0.0
     accepted: float = 0.0
-    seen: bool = False
+    accepted_sq: float = 0.0  # the average of its square
+    steps: int = 0
+
+    @property
+    def seen(self) -> bool:
+        return self.steps > 0
 
     def add(self, verified: float, accepted: float) -> None:
-        rate = _RECENT_RATE if self.seen else 1.0
+        self.steps += 1
+        rate = max(_RECENT_RATE, 1 / self.steps)
         self.verified += rate * (verified - self.verified)
         self.accepted += rate * (accepted - self.accepted)
-        self.seen = True
+        self.accepted_sq += rate * (accepted * accepted - self.accepted_sq)
+
+    def optimistic_accepted(self) -> float:
+        """The accepted average plus its standard error (over as many steps as the average
+        spans). A verdict against speculation stops the steps that would correct it, so an
+        average that happens to be low would hold speculation off for good where it pays; the
+        forecast gives it the benefit of the doubt that its noise leaves."""
+        variance = max(0.0, self.accepted_sq - self.accepted * self.accepted)
+        return self.accepted + math.sqrt(variance / min(self.steps, 2 / _RECENT_RATE))
 
 
 @dataclass
 class SpecPolicy:
     """The adaptive policy's state: calibrations, measured step-time corrections, and when to probe
-    speculation again after a step where drafting did not pay for itself."""
+    speculation again after a step where drafting did not pay for itself.
+
+    Whether a step drafts at all is judged by measured steps (the forecast): a verdict against
+    speculation is only as good as the speculative steps timed before it, so speculation is
+    judged after probes, runs of _PROBE_STEPS speculative steps, the first _WARM_STEPS
+    untimed. The first steps are one (when steps are timed), and one follows every back-off:
+    the plain steps after a verdict against speculation, doubling while verdicts keep coming.
+    The budgets of a step that drafts are the choice's (`choose`)."""
 
     cost: CostModel
     levels: tuple[int, ...]
+    timed: bool = True  # steps' wall times are observed (not under TP, where ranks' differ)
     batch: Calibration = field(default_factory=Calibration)
     requests: dict[int, Calibration] = field(default_factory=dict)
     backoff: int = 0
     plain_steps_left: int = 0
+    probe_steps_left: int = 0  # speculative steps the current or next probe still runs
     plain_scale: StepScale = field(default_factory=StepScale)
     spec_scale: StepScale = field(default_factory=StepScale)
     recent: RecentSpeculation = field(default_factory=RecentSpeculation)
-    gated_steps: int = 0  # plain steps in a row that the forecast chose without a probe
     spec_steps: int = 0  # speculative steps since the last plain probe
     predicted_s: float = 0.0  # forward seconds the last choice expects (draft + verify)
     run_length: int = 0  # speculative steps in a row up to the last observed one
@@ -172,12 +205,12 @@ class SpecPolicy:
     recent_reach: list[float] | None = None  # raw gains per level, and their recent average
 
     def should_draft(self, requests: int) -> bool:
-        """False (the step runs plain) while the last probe said plain decoding is faster, or
-        when the forecast from recent speculative steps (their accepted and verified drafts
-        and measured step times, at this batch size) says a draft cannot pay for itself; one
-        real probe every _FORCED_PROBE such steps keeps the forecast fresh. Once speculative
-        steps are being measured, plain steps are too: one before the first comparison and
-        one every _PLAIN_PROBE speculative steps."""
+        """False (the step runs plain) during a back-off, and where the forecast from recent
+        speculative steps (their accepted and verified drafts and measured step times, at this
+        batch size) says a draft cannot pay for itself: a verdict, before drafting. Once
+        speculative steps are being measured, plain steps are too: one before the first
+        comparison and one every _PLAIN_PROBE speculative steps. Probes speculate without
+        asking the forecast."""
         if self.plain_steps_left > 0:
             self.plain_steps_left -= 1
             return False
@@ -185,24 +218,34 @@ class SpecPolicy:
                                      or self.spec_steps >= _PLAIN_PROBE):
             self.spec_steps = 0
             return False
-        if self.forecast_pays(requests) or self.gated_steps >= _FORCED_PROBE:
-            self.gated_steps = 0
-            self.spec_steps += 1
-            return True
-        self.gated_steps += 1
-        return False
+        if self.probe_steps_left > 0 or (self.timed and not self.spec_scale.seen):
+            self.probe_steps_left = max(0, self.probe_steps_left - 1)
+        elif self.forecast_pays(requests):
+            self.backoff = 0
+        else:
+            self.back_off()
+            self.plain_steps_left -= 1  # this step is the back-off's first
+            return False
+        self.spec_steps += 1
+        return True
+
+    def back_off(self) -> None:
+        """A verdict against speculation: plain steps, doubling from the last back-off's
+        while verdicts keep coming, then a probe."""
+        self.backoff = min(max(_MIN_BACKOFF, 2 * self.backoff), _MAX_BACKOFF)
+        self.plain_steps_left = self.backoff
+        self.probe_steps_left = _PROBE_STEPS
 
     def forecast_pays(self, requests: int) -> bool:
         """Whether a speculative step of `requests` is expected to commit tokens faster than
-        a plain one, judged before drafting from recent speculative steps (True until there
-        are some, and until a speculative step has been timed: the profile alone can be off
-        by any factor, and plain steps' is measured)."""
-        if not (self.recent.seen and self.spec_scale.seen):
+        a plain one, judged before drafting from recent speculative steps' acceptance and
+        measured times (True before there are any)."""
+        if not self.recent.seen:
             return True
         n, r = requests, self.recent
         spec_s = self.spec_scale.factor * (
             self.cost.draft_s(n) + self.cost.target_s(round(n * (1 + r.verified))))
-        return n * (1 + r.accepted) / spec_s >= n / self.plain_s(n)
+        return n * (1 + r.optimistic_accepted()) / spec_s >= n / self.plain_s(n)
 
     def plain_s(self, requests: int) -> float:
         """Expected seconds of a plain decode step of `requests`."""
@@ -215,20 +258,14 @@ class SpecPolicy:
         return (own.accepted + _PRIOR_STEPS * prior) / (own.predicted + _PRIOR_STEPS)
 
     def choose(self, seq_ids: list[int], raw_gains: list[list[float]]) -> list[int]:
-        """Budgets (from `levels`) for one drafted batch; raw_gains[r][j] is request r's sum of
-        drafter path probabilities over the nodes of budget levels[j]."""
+        """Budgets (from `levels`) for a batch that drafts: what the cost and acceptance
+        models expect to commit the most tokens per second, some of them 0; raw_gains[r][j] is
+        request r's sum of drafter path probabilities over the nodes of budget levels[j]."""
         gains = [[g * self.scale(s) for g in row] for s, row in zip(seq_ids, raw_gains)]
         n = len(seq_ids)
-        picks, value = choose_budgets(gains, self.levels, self.cost, self.cost.draft_s(n))
-        value /= self.spec_scale.factor
-        plain_value = n / self.plain_s(n)
+        picks, _ = choose_budgets(gains, self.levels, self.cost, self.cost.draft_s(n))
         tokens = n + sum(self.levels[j] for j in picks)
         self.predicted_s = self.cost.draft_s(n) + self.cost.target_s(tokens)
-        if value < plain_value:  # drafting did not pay: plain steps, then probe again
-            self.backoff = min(max(1, 2 * self.backoff), _MAX_BACKOFF)
-            self.plain_steps_left = self.backoff
-        else:
-            self.backoff = 0
         return [self.levels[j] for j in picks]
 
     def expected_gains(self, seq_id: int) -> list[float]:
@@ -263,7 +300,7 @@ class SpecPolicy:
         elif not speculative:
             self.plain_scale.add(seconds, self.cost.target_s(requests))
 
-    def observe_speculation(self, requests: int, verified: int, accepted: int) -> None:
+    def observe_speculation(self, requests: int, verified: float, accepted: float) -> None:
         """A speculative step verified `verified` and accepted `accepted` drafts over
         `requests` requests (the forecast's inputs)."""
         self.recent.add(verified / requests, accepted / requests)

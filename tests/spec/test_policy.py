@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from flashtree import LLM, SamplingParams
 from flashtree.graphs.rows import RowGraphs
 from flashtree.spec.cost import load_profile, save_profile
 from flashtree.spec.policy import (
-    _FORCED_PROBE,
+    _MIN_BACKOFF,
+    _PROBE_STEPS,
     CostModel,
     SpecPolicy,
     budget_levels,
@@ -42,22 +44,41 @@ def test_budget_levels_are_a_fixed_ladder_ending_at_the_maximum():
     assert budget_levels(1) == (0, 1)
 
 
+def _speculated(policy: SpecPolicy, requests: int, verified: float, accepted: float,
+                time_factor: float = 1.0, steps: int = 4) -> None:
+    """`steps` speculative steps of `requests` (after plain ones), each verifying and accepting
+    `verified` and `accepted` drafts per request, timed at `time_factor` x their profile; and
+    a plain step timed at its profile before them."""
+    policy.observe_step(False, requests, policy.cost.target_s(requests))
+    for _ in range(steps):
+        policy.observe_speculation(requests, verified * requests, accepted * requests)
+        policy.predicted_s = (policy.cost.draft_s(requests)
+                              + policy.cost.target_s(round(requests * (1 + verified))))
+        policy.observe_step(True, requests, time_factor * policy.predicted_s)
+
+
 def test_expensive_verify_and_low_acceptance_choose_plain_decoding():
-    gains = [_chain_gains(0.1)] * 8
-    picks, value = choose_budgets(gains, LEVELS, _cost(per_token=0.5), draft_s=0.1)
-    assert picks == [0] * 8
-    assert value == pytest.approx(8 / (0.1 + _cost(0.5).target_s(8)))
+    """Budget 0 for every request, undrafted, once speculative steps have been measured:
+    verifying costs more than the few accepted drafts give. Were the step drafted, the choice
+    would take the one upgrade worth most."""
+    policy = SpecPolicy(_cost(per_token=0.5), LEVELS)
+    _speculated(policy, requests=8, verified=2.0, accepted=0.1)
+    assert not policy.should_draft(8)
+    picks, _ = choose_budgets([_chain_gains(0.1)] * 8, LEVELS, _cost(per_token=0.5), 0.1)
+    assert sorted(picks) == [0] * 7 + [1]
 
 
 def test_flat_verify_and_high_acceptance_choose_the_largest_budget():
-    gains = [_chain_gains(0.95)] * 8
-    picks, _ = choose_budgets(gains, LEVELS, _cost(per_token=1e-6), draft_s=0.1)
-    assert picks == [len(LEVELS) - 1] * 8
+    policy = SpecPolicy(_cost(per_token=1e-6), LEVELS)
+    _speculated(policy, requests=8, verified=15.0, accepted=8.0)
+    assert policy.should_draft(8)
+    assert policy.choose(list(range(8)), [_chain_gains(0.95)] * 8) == [15] * 8
 
 
 def test_budgets_follow_each_request_and_match_exhaustive_search():
     """Two requests with different acceptance under a verify cost that grows: the greedy choice
-    equals the best of all level pairs, and the better drafted request gets more."""
+    equals the best of all level pairs that verify a draft, and the better drafted request
+    gets more."""
     gains = [_chain_gains(0.9), _chain_gains(0.4)]
     cost, draft_s = _cost(per_token=0.02), 0.1
     picks, value = choose_budgets(gains, LEVELS, cost, draft_s)
@@ -66,26 +87,98 @@ def test_budgets_follow_each_request_and_match_exhaustive_search():
         tokens = 2 + sum(LEVELS[j] for j in js)
         return (2 + sum(g[j] for g, j in zip(gains, js))) / (draft_s + cost.target_s(tokens))
 
-    best = max(itertools.product(range(len(LEVELS)), repeat=2), key=objective)
+    best = max((js for js in itertools.product(range(len(LEVELS)), repeat=2) if any(js)),
+               key=objective)
     assert value == pytest.approx(objective(best))
     assert picks[0] > picks[1]
 
 
-def test_a_probe_that_does_not_pay_backs_off_doubling_then_recovers():
+def test_a_verdict_against_speculation_backs_off_doubling_between_probes():
+    """Where measured steps say drafting does not pay, the step runs plain and a back-off of
+    plain steps follows, doubling up to 1024 while verdicts keep coming, each followed by a
+    probe of _PROBE_STEPS speculative steps (whatever the forecast says: their times are what
+    the next verdict is judged by); once speculation pays, the back-off is over."""
     policy = SpecPolicy(_cost(per_token=0.5), LEVELS)
-    plain_runs = []
-    for _ in range(10):
+    _speculated(policy, requests=1, verified=4.0, accepted=0.5)
+    runs, drafting = [], None
+    for _ in range(4200):
+        step = policy.should_draft(1)
+        if step == drafting:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+        drafting = step
+    assert runs[0::2][:10] == [8, 16, 32, 64, 128, 256, 512, 1024, 1024, 1024]
+    assert set(runs[1::2][:9]) == {_PROBE_STEPS}
+    policy.cost = _cost(per_token=1e-6)  # verifying is free now
+    while not policy.should_draft(1):  # the back-off under way, then the probe
+        pass
+    for _ in range(_PROBE_STEPS + 10):
         assert policy.should_draft(1)
-        policy.choose([0], [_chain_gains(0.05)])  # drafting loses: plain steps follow
-        skipped = 0
-        while not policy.should_draft(1):
-            skipped += 1
-        plain_runs.append(skipped)
-        policy.plain_steps_left = 0  # should_draft() above already consumed one probe
-    assert plain_runs == [1, 2, 4, 8, 16, 32, 64, 128, 256, 256]
-    policy.cost = _cost(per_token=1e-6)
-    policy.choose([0], [_chain_gains(0.95)])
-    assert policy.backoff == 0 and policy.should_draft(1)
+    assert policy.backoff == 0
+
+
+def _run_engine_steps(policy: SpecPolicy, steps: int, plain_s: float, spec_factor: float,
+                      cold_steps: int = 0, seed: int = 0) -> list[int]:
+    """Drives the policy through `steps` decode steps of one request as LLMEngine does with
+    DDTree, on a synthetic machine: plain steps take `plain_s`, speculative ones
+    `spec_factor` x their profiled forwards (the first `cold_steps` of them 3x that), and a
+    step accepts drafts as a real drafter's: each next one with probability 0.58 given its
+    parent was (1.38 on average, anywhere from 0 to the tree's depth of 7), while the drafter's
+    trees claim _chain_gains(0.7). Returns each step's budget (0: plain)."""
+    rng, gains, budgets = random.Random(seed), _chain_gains(0.7), []
+    for _ in range(steps):
+        budget = 0
+        if policy.should_draft(1):
+            budget = policy.choose([0], [policy.expected_gains(0)])[0]
+        if budget:
+            accepted = 0
+            while accepted < min(budget, 7) and rng.random() < 0.58:
+                accepted += 1
+            policy.note_reach(0, gains)
+            policy.observe(0, accepted, gains[LEVELS.index(budget)])
+            policy.observe_speculation(1, budget, accepted)
+            seconds = spec_factor * policy.predicted_s * (3 if cold_steps > 0 else 1)
+            cold_steps -= 1
+        else:
+            seconds = plain_s
+        policy.observe_step(budget > 0, 1, seconds)
+        budgets.append(budget)
+    return budgets
+
+
+GPU_LIKE = _cost(per_token=2e-6, base=1e-3, draft=5e-4)  # seconds, a small model on a GPU
+
+
+def test_speculation_that_pays_is_found_after_a_cold_start():
+    """Speculative steps at 1.9x their profile (2.9 ms for a 15-node tree) commit 2.4 tokens
+    against plain steps' one per 1.37 ms: speculation pays. The first timed speculative steps
+    run 3x slower (graph captures, compiles) and judge it not to pay; the probes that follow
+    are timed and bring it back."""
+    policy = SpecPolicy(GPU_LIKE, LEVELS)
+    budgets = _run_engine_steps(policy, 3000, plain_s=1.37e-3, spec_factor=1.9, cold_steps=6)
+    assert 0 in budgets[3:20]  # judged on the cold steps
+    late = budgets[-1000:]
+    assert sum(b > 0 for b in late) >= 950, "speculation pays but the policy stays plain"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_speculation_that_pays_a_tenth_is_kept_whatever_the_draws(seed):
+    """Speculative steps 9% faster per committed token than plain ones: a run of low draws
+    early on (accepted drafts vary from 0 to 7 a step) must not hold speculation off for the
+    rest of the run, as back-offs leave few steps to correct the average."""
+    policy = SpecPolicy(GPU_LIKE, LEVELS)
+    budgets = _run_engine_steps(policy, 3000, plain_s=1.37e-3, spec_factor=1.9, seed=seed)
+    assert sum(b > 0 for b in budgets[-1000:]) >= 950
+
+
+def test_speculation_that_does_not_pay_costs_few_steps():
+    """Speculative steps at 4x their profile (6 ms) commit 2.4 tokens against one per
+    1.37 ms for plain steps: probes, ever rarer, are the only speculative steps."""
+    policy = SpecPolicy(GPU_LIKE, LEVELS)
+    budgets = _run_engine_steps(policy, 3000, plain_s=1.37e-3, spec_factor=4.0)
+    assert sum(b > 0 for b in budgets) <= 0.02 * len(budgets)
+    assert sum(b > 0 for b in budgets[-1000:]) <= _PROBE_STEPS
 
 
 def test_calibration_scales_predictions_by_observed_acceptance():
@@ -225,70 +318,59 @@ def test_seeded_sampling_with_speculation_returns_plain_samples(small_pair, spec
     assert sum(llm.engine.speculative.stats.accepted_per_pos) > 0  # drafts were accepted
 
 
-def test_measured_step_times_enter_the_choice():
+def test_measured_step_times_enter_the_forecast():
     """A speculative step that takes far longer than its profiled forwards (host work the
-    profile does not see) makes plain decoding the better choice for the same gains; a plain
-    step is measured before speculation and plain are compared."""
+    profile does not see) makes plain decoding the better choice for the same acceptance; a
+    plain step is measured before speculation and plain are compared."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
-    gains = [_chain_gains(0.7)] * 4
-    assert max(policy.choose(list(range(4)), gains)) > 0 and policy.backoff == 0
-    for _ in range(3):  # the first two of a run are not counted
+    _speculated(policy, requests=4, verified=8.0, accepted=2.0)
+    assert policy.forecast_pays(4)
+    for _ in range(8):
         policy.observe_step(True, 4, policy.predicted_s * 5)
-    assert policy.spec_scale.factor == pytest.approx(5.0)
-    assert not policy.should_draft(4)  # plain steps not measured yet: one is
-    policy.observe_step(False, 4, policy.cost.target_s(4))
-    assert policy.plain_scale.factor == pytest.approx(1.0)
-    policy.choose(list(range(4)), gains)
-    assert policy.backoff == 1 and not policy.should_draft(4)
+    assert policy.spec_scale.factor == pytest.approx(5.0) and not policy.forecast_pays(4)
+    fresh = SpecPolicy(policy.cost, LEVELS)
+    for _ in range(3):  # the first two of a run are not counted
+        fresh.observe_step(True, 4, policy.predicted_s)
+    assert not fresh.should_draft(4)  # plain steps not measured yet: one is
+    fresh.observe_step(False, 4, policy.cost.target_s(4))
+    assert fresh.plain_scale.factor == pytest.approx(1.0)
 
 
 def test_a_profile_taken_on_a_busy_machine_is_corrected_by_measured_steps():
     """The cached profile says plain steps take 3x what they take now, and speculative steps
     what they take: measured plain steps make plain decoding win again."""
     policy = SpecPolicy(_cost(per_token=1e-3, base=0.03, draft=0.01), LEVELS)
-    gains = [_chain_gains(0.5)]
-    assert max(policy.choose([0], gains)) > 0
-    for _ in range(3):
-        policy.observe_step(True, 1, policy.predicted_s)
-    policy.observe_step(False, 1, policy.cost.target_s(1) / 3)
-    policy.choose([0], gains)
-    assert policy.backoff == 1
+    _speculated(policy, requests=1, verified=8.0, accepted=1.0)
+    assert policy.forecast_pays(1)
+    for _ in range(8):
+        policy.observe_step(False, 1, policy.cost.target_s(1) / 3)
+    assert not policy.forecast_pays(1)
 
 
 def test_forecast_skips_drafting_where_recent_steps_did_not_pay():
     """Once speculative steps have been timed, a batch size where verifying their budgets
-    costs more than they commit runs plain without drafting (no costly probe), a small batch
-    still drafts, and a real probe comes after _FORCED_PROBE forecast-plain steps."""
+    costs more than they commit runs plain without drafting (no costly probe): a back-off,
+    and a probe after it; a small batch still drafts."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     assert policy.should_draft(256)  # nothing measured yet: probe
-    policy.observe_speculation(requests=8, verified=32, accepted=8)  # 4 verified, 1 accepted
-    policy.predicted_s = policy.cost.draft_s(8) + policy.cost.target_s(40)
-    for _ in range(3):
-        policy.observe_step(True, 8, policy.predicted_s * 1.2)
-    policy.observe_step(False, 8, policy.cost.target_s(8))
+    _speculated(policy, requests=8, verified=4.0, accepted=1.0, time_factor=1.2)
     assert policy.forecast_pays(1) and not policy.forecast_pays(256)
     assert policy.should_draft(1)
     plain = 0
     while not policy.should_draft(256):
         plain += 1
-    assert plain == _FORCED_PROBE
+    assert plain == _MIN_BACKOFF and policy.probe_steps_left == _PROBE_STEPS - 1
 
 
 def test_one_cold_step_does_not_hold_speculation_off():
     """Step times are a median of recent steps: a speculative step that took a second longer
     (a preempted process) stops counting once a few normal steps are measured."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
-    gains = [_chain_gains(0.7)] * 4
-    policy.choose(list(range(4)), gains)
-    for _ in range(2):
-        policy.observe_step(True, 4, policy.predicted_s)
+    _speculated(policy, requests=4, verified=8.0, accepted=2.0)
     policy.observe_step(True, 4, policy.predicted_s + 1.0)
-    for _ in range(2):
-        policy.observe_step(True, 4, policy.predicted_s)
-    policy.observe_step(False, 4, policy.cost.target_s(4))
+    assert policy.forecast_pays(4)  # the median of three
+    policy.observe_step(True, 4, policy.predicted_s)
     assert policy.spec_scale.factor == pytest.approx(1.0)
-    policy.choose(list(range(4)), gains)
-    assert policy.backoff == 0
 
 
 def test_switching_steps_do_not_time_speculation():
@@ -296,22 +378,20 @@ def test_switching_steps_do_not_time_speculation():
     3x a run's later steps; only those are timed, so speculation resumes where its runs pay.
     Were probes timed, their median would say plain decoding wins."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
-    gains = [_chain_gains(0.7)] * 4
-    policy.choose(list(range(4)), gains)
+    _speculated(policy, requests=4, verified=8.0, accepted=2.0, steps=0)
+    policy.predicted_s = policy.cost.draft_s(4) + policy.cost.target_s(36)
     steady = policy.predicted_s
     for _ in range(8):  # probes (runs of two) between plain steps
         policy.observe_step(False, 4, policy.cost.target_s(4))
         policy.observe_step(True, 4, 3 * steady)
         policy.observe_step(True, 4, 3 * steady)
     assert not policy.spec_scale.seen
+    policy.observe_speculation(4, 32, 8)
     policy.observe_step(True, 4, steady)  # a run's third step
-    assert policy.spec_scale.factor == pytest.approx(1.0)
-    policy.choose(list(range(4)), gains)
-    assert policy.backoff == 0
+    assert policy.spec_scale.factor == pytest.approx(1.0) and policy.forecast_pays(4)
     policy.spec_scale.add(3 * steady, steady)  # the probes' times
     policy.spec_scale.add(3 * steady, steady)
-    policy.choose(list(range(4)), gains)
-    assert policy.backoff == 1
+    assert not policy.forecast_pays(4)
 
 
 def test_trees_are_chosen_from_each_requests_last_tree_before_drafting():
@@ -326,7 +406,8 @@ def test_trees_are_chosen_from_each_requests_last_tree_before_drafting():
     assert policy.expected_gains(7) == _chain_gains(0.05)
     assert policy.expected_gains(8) == _chain_gains(0.05)  # the only tree so far
     policy.note_reach(8, _chain_gains(0.95))
-    assert policy.choose([7, 8], [policy.expected_gains(7), policy.expected_gains(8)])[0] == 0
+    budgets = policy.choose([7, 8], [policy.expected_gains(7), policy.expected_gains(8)])
+    assert budgets[0] == 0 and budgets[1] > 0
     mixed = policy.expected_gains(9)
     assert _chain_gains(0.05)[-1] < mixed[-1] < _chain_gains(0.95)[-1]
     policy.forget({8})
