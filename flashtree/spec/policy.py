@@ -27,15 +27,18 @@ POLICIES = ("adaptive", "fixed")
 _DECAY = 0.9  # weight of the past in the acceptance sums, per step
 _PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
 _MIN_BACKOFF = 8  # plain steps after the first verdict against speculation
-_MAX_BACKOFF = 1024  # at most this many plain steps between two probes of speculation
+_MAX_BACKOFF = 1024  # at most this many plain steps between two probes of speculation, unless
+_PROBE_SHARE = 1 / 32  # a probe's extra time would be more than this share of its back-off
 # Weight of the newest speculative step in RecentSpeculation: a step's accepted drafts vary
 # a lot (0 to the whole block), and a forecast that drifts with them holds speculation off where
 # it pays by a tenth; this averages over a few hundred steps.
 _RECENT_RATE = 0.005
+_CONFIDENCE = 1.5  # standard errors of benefit of the doubt (see optimistic_accepted)
 _SCALE_SAMPLES = 8  # steps whose median measured/predicted ratio corrects the profile
 _PLAIN_PROBE = 64  # speculative steps in a row before one plain step re-measures plain decoding
 _WARM_STEPS = 2  # speculative steps after plain ones whose times are not counted
 _PROBE_STEPS = _WARM_STEPS + 2  # a probe's speculative steps: two of them are timed
+_FIRST_TIMED = 3  # speculative steps timed before the first verdict (one cold step decides none)
 
 
 def budget_levels(max_budget: int) -> tuple[int, ...]:
@@ -167,12 +170,13 @@ class RecentSpeculation:
         self.accepted_sq += rate * (accepted * accepted - self.accepted_sq)
 
     def optimistic_accepted(self) -> float:
-        """The accepted average plus its standard error (over as many steps as the average
-        spans). A verdict against speculation stops the steps that would correct it, so an
+        """The accepted average plus _CONFIDENCE standard errors (over as many steps as the
+        average spans). A verdict against speculation stops the steps that would correct it, so an
         average that happens to be low would hold speculation off for good where it pays; the
         forecast gives it the benefit of the doubt that its noise leaves."""
         variance = max(0.0, self.accepted_sq - self.accepted * self.accepted)
-        return self.accepted + math.sqrt(variance / min(self.steps, 2 / _RECENT_RATE))
+        return self.accepted + _CONFIDENCE * math.sqrt(
+            variance / min(self.steps, 2 / _RECENT_RATE))
 
 
 @dataclass
@@ -218,21 +222,29 @@ class SpecPolicy:
                                      or self.spec_steps >= _PLAIN_PROBE):
             self.spec_steps = 0
             return False
-        if self.probe_steps_left > 0 or (self.timed and not self.spec_scale.seen):
+        if self.probe_steps_left > 0 or (self.timed
+                                         and len(self.spec_scale.samples) < _FIRST_TIMED):
             self.probe_steps_left = max(0, self.probe_steps_left - 1)
         elif self.forecast_pays(requests):
             self.backoff = 0
         else:
-            self.back_off()
+            self.back_off(requests)
             self.plain_steps_left -= 1  # this step is the back-off's first
             return False
         self.spec_steps += 1
         return True
 
-    def back_off(self) -> None:
-        """A verdict against speculation: plain steps, doubling from the last back-off's
-        while verdicts keep coming, then a probe."""
-        self.backoff = min(max(_MIN_BACKOFF, 2 * self.backoff), _MAX_BACKOFF)
+    def back_off(self, requests: int) -> None:
+        """A verdict against speculation at a batch of `requests`: plain steps, doubling from
+        the last back-off's while verdicts keep coming, then a probe; enough plain steps that
+        the probe's extra time is at most _PROBE_SHARE of theirs (where a speculative step
+        costs many plain ones, as with wide batches on a CPU, a probe is rare). A probe's cost
+        is judged by the cheapest recent speculative step: cold ones would hold off the probes
+        that show them to have been cold."""
+        cheapest = min(self.spec_scale.samples, default=1.0) * self.spec_profile_s(requests)
+        probe_extra = _PROBE_STEPS * (cheapest / self.plain_s(requests) - 1)
+        self.backoff = max(min(max(_MIN_BACKOFF, 2 * self.backoff), _MAX_BACKOFF),
+                           math.ceil(probe_extra / _PROBE_SHARE))
         self.plain_steps_left = self.backoff
         self.probe_steps_left = _PROBE_STEPS
 
@@ -242,10 +254,18 @@ class SpecPolicy:
         measured times (True before there are any)."""
         if not self.recent.seen:
             return True
-        n, r = requests, self.recent
-        spec_s = self.spec_scale.factor * (
-            self.cost.draft_s(n) + self.cost.target_s(round(n * (1 + r.verified))))
-        return n * (1 + r.optimistic_accepted()) / spec_s >= n / self.plain_s(n)
+        n = requests
+        return n * (1 + self.recent.optimistic_accepted()) / self.spec_s(n) >= n / self.plain_s(n)
+
+    def spec_s(self, requests: int) -> float:
+        """Expected seconds of a speculative step of `requests` that verifies as many drafts
+        as recent ones did."""
+        return self.spec_scale.factor * self.spec_profile_s(requests)
+
+    def spec_profile_s(self, requests: int) -> float:
+        """The profile's seconds of such a step."""
+        verified = round(requests * (1 + self.recent.verified))
+        return self.cost.draft_s(requests) + self.cost.target_s(verified)
 
     def plain_s(self, requests: int) -> float:
         """Expected seconds of a plain decode step of `requests`."""
