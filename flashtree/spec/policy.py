@@ -38,7 +38,6 @@ _SCALE_SAMPLES = 8  # steps whose median measured/predicted ratio corrects the p
 _PLAIN_PROBE = 64  # speculative steps in a row before one plain step re-measures plain decoding
 _WARM_STEPS = 2  # speculative steps after plain ones whose times are not counted
 _PROBE_STEPS = _WARM_STEPS + 2  # a probe's speculative steps: two of them are timed
-_FIRST_TIMED = 3  # speculative steps timed before the first verdict (one cold step decides none)
 
 
 def budget_levels(max_budget: int) -> tuple[int, ...]:
@@ -222,8 +221,7 @@ class SpecPolicy:
                                      or self.spec_steps >= _PLAIN_PROBE):
             self.spec_steps = 0
             return False
-        if self.probe_steps_left > 0 or (self.timed
-                                         and len(self.spec_scale.samples) < _FIRST_TIMED):
+        if self.probe_steps_left > 0 or (self.timed and not self.spec_scale.seen):
             self.probe_steps_left = max(0, self.probe_steps_left - 1)
         elif self.forecast_pays(requests):
             self.backoff = 0

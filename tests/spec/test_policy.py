@@ -169,7 +169,8 @@ GPU_LIKE = _cost(per_token=2e-6, base=1e-3, draft=5e-4)  # seconds, a small mode
 def test_speculation_that_pays_is_found_after_a_cold_start():
     """Speculative steps at 1.9x their profile (2.9 ms for a 15-node tree) commit 2.4 tokens
     against plain steps' one per 1.37 ms: speculation pays. The first three speculative steps
-    run 3x slower (first calls: compiles, allocations), one of them timed: it does not decide."""
+    run 3x slower (first calls: compiles, allocations), and the one of them that is timed
+    judges speculation not to pay; the probe after the back-off brings it back."""
     policy = SpecPolicy(GPU_LIKE, LEVELS)
     budgets = _run_engine_steps(policy, 3000, plain_s=1.37e-3, spec_factor=1.9, cold_steps=3)
     late = budgets[-1000:]
