@@ -133,8 +133,10 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
             for c in args.concurrency:
                 # Warm-up at this concurrency, so that one-time costs stay out of the timing: on
                 # CUDA the whole workload (Triton compiles the attention kernel for each new
-                # prefill shape on first use), elsewhere every prompt's prefill and one step.
-                warm_tokens = args.max_tokens if llm.device.type == "cuda" else 2
+                # prefill shape on first use), elsewhere every prompt's prefill and a few steps
+                # (the adaptive policy's first speculative steps, which measure what
+                # speculation costs here, are as many).
+                warm_tokens = args.max_tokens if llm.device.type == "cuda" else 16
                 run_offline(llm, prompts, c, warm_tokens, args.temperature, args.seed)
                 before = dict(_budgets(llm))
                 records, duration = run_offline(llm, prompts, c, args.max_tokens,
