@@ -30,6 +30,7 @@ from benchmarks.profile_step import SMOLLM2_135M  # noqa: E402
 from flashtree import LLM  # noqa: E402
 from flashtree.bench.datasets import BenchPrompt, load_dataset  # noqa: E402
 from flashtree.bench.offline import run_offline  # noqa: E402
+from flashtree.engine.heap import freeze_startup_heap  # noqa: E402
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR  # noqa: E402
 from flashtree.spec.policy import SpecPolicy  # noqa: E402
 
@@ -168,6 +169,7 @@ def main() -> int:
                 spec_policy="fixed" if spec.endswith(":fixed") else "adaptive")
             llm = LLM(model=args.model, device=args.device, skip_tokenizer_init=not chat,
                       max_num_seqs=args.concurrency, max_model_len=512, **kw)
+            freeze_startup_heap()  # as `flashtree bench` and `flashtree serve` do
             run_offline(llm, prompts, args.concurrency, args.max_tokens)  # warm-up
             engines[spec] = llm
         results.append((spec, timed_run(engines[spec], prompts, args, gc_clock, decided)))
