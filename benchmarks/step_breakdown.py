@@ -92,19 +92,19 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
     accepted_by_position: dict[int, list[int]] = {}  # accepted drafts per speculative step
     engine_step, flush = eng.step, eng.proposer.flush if eng.proposer else None
     flushes = [0.0, 0]
+    stats = eng.speculative.stats if eng.speculative else None
 
     def step():
         position = -1
         if decided is not None:  # this step's place in the forced pattern (-1: plain)
             position = decided["steps"] % decided["period"] - decided["plain"]
-        stats = eng.speculative.stats if eng.speculative else None
         accepted = stats.num_accepted_tokens if stats else 0
         start = time.perf_counter()
         out = engine_step()
         seconds = time.perf_counter() - start
         steps.append((seconds, stats.num_drafts if stats else 0))
         by_position.setdefault(max(position, -1), []).append(seconds)
-        if position >= 0:
+        if position >= 0 and stats:
             accepted_by_position.setdefault(position, []).append(
                 stats.num_accepted_tokens - accepted)
         return out
@@ -119,7 +119,6 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
     if flush is not None:
         eng.proposer.flush = timed_flush
     gc_clock.seconds, gc_clock.full = 0.0, 0
-    stats = eng.speculative.stats if eng.speculative else None
     accepted_before = stats.num_accepted_tokens if stats else 0
     records, wall = run_offline(llm, prompts, args.concurrency, args.max_tokens)
     accepted = (stats.num_accepted_tokens - accepted_before) if stats else 0
