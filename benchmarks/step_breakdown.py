@@ -176,10 +176,11 @@ def main() -> int:
         speculative = llm.engine.speculative
         if speculative is not None and speculative.policy is not None and decided is None:
             p, budgets = speculative.policy, dict(sorted(speculative.stats.budgets.items()))
+            size = p.at(args.concurrency)
             print(f"{spec}: request-steps by budget {budgets}"
-                  f"; measured/profiled step time: speculative {p.spec_scale.factor:.2f}, "
-                  f"plain {p.plain_scale.factor:.2f}; recent verified/accepted per request "
-                  f"{p.recent.verified:.2f}/{p.recent.accepted:.2f}")
+                  f"; measured/profiled step time at {args.concurrency}: speculative "
+                  f"{size.spec_scale.factor:.2f}, plain {size.plain_scale.factor:.2f}; recent "
+                  f"verified/accepted per request {p.recent.verified:.2f}/{p.recent.accepted:.2f}")
     print(f"\nconcurrency {args.concurrency}, {args.num_prompts} prompts x {args.max_tokens} "
           f"tokens, {args.device}\n\n| spec | wall s | tok/s | steps | s in steps | "
           "speculative steps (ms) | accepted drafts per speculative step "

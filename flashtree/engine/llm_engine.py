@@ -256,8 +256,7 @@ class LLMEngine:
             batch = self.runner.last_batch
             self.proposer.defer(ContextRows(
                 features, positions=batch.positions, slots=batch.attn.slot_mapping,
-                owners=tuple((c.seq.seq_id, self.pages.lease(c.seq.seq_id), c.count)
-                             for c in chunks)))
+                leases=self._row_leases(chunks)))
         if not sampling:
             tokens = []
         elif all_greedy:  # one device sync for the batch
@@ -269,6 +268,13 @@ class LLMEngine:
                 with self._isolated(c.seq):
                     self._append(c.seq, [token], record=c.decode)
         return [c.seq for c in sampling]
+
+    def _row_leases(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """[rows] the page lease of each row's request (rows: the chunks' tokens, in order)."""
+        leases = torch.tensor([self.pages.lease(c.seq.seq_id) for c in chunks])
+        if all(c.count == 1 for c in chunks):
+            return leases
+        return leases.repeat_interleave(torch.tensor([c.count for c in chunks]))
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int | None]:
         """One token per chunk (logits [len(chunks), vocab]), drawn for the whole batch at once;

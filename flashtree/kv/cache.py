@@ -75,6 +75,7 @@ class PageTables:
         # having none, so that slots noted earlier can be told stale once freed (`lease`).
         self._leases: dict[int, int] = {}
         self._next_lease = itertools.count()
+        self._ended_leases: set[int] | None = None  # see watch_ended_leases
 
     @property
     def num_free(self) -> int:
@@ -129,10 +130,19 @@ class PageTables:
         read from its table stay its own exactly while this number stays the same."""
         return self._leases.get(seq_id)
 
+    def watch_ended_leases(self) -> set[int]:
+        """A set that gets every lease that ends from now on (its sequence freed); its one
+        reader empties it when the leases in it no longer matter."""
+        assert self._ended_leases is None, "ended leases have one reader"
+        self._ended_leases = set()
+        return self._ended_leases
+
     def free(self, seq_id: int) -> None:
         self._free.extend(reversed(self._tables.pop(seq_id, [])))
         self.lengths.pop(seq_id, None)
-        self._leases.pop(seq_id, None)
+        lease = self._leases.pop(seq_id, None)
+        if lease is not None and self._ended_leases is not None:
+            self._ended_leases.add(lease)
 
     def keep(self, cache: KVCache, kept: list[tuple[int, int, list[int]]]) -> None:
         """For each (seq_id, start, keep_offsets): keep the tokens at logical indices

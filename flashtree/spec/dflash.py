@@ -31,15 +31,15 @@ class ContextRows:
     `spans`, (seq_id, start, count) holding that request's tokens [start, start + count) in
     row order, whose slots are looked up when injected (a speculative step's accepted tokens);
     or the rows' own device `positions` and `slots` (a plain step's: the target batch's) with
-    their `owners`, (seq_id, lease, count) in row order: the slots stay valid while the
-    request keeps that page allocation (`PageTables.lease`); rows of a request that has been
-    freed since (finished, preempted) go to the spare page, as their slots may be another's."""
+    the `leases` of their requests' page allocations then (`PageTables.lease`): the slots stay
+    the request's while that lease lasts; rows whose lease has ended since (the request
+    finished, or was preempted) go to the spare page, as their slots may be another's."""
 
     features: torch.Tensor  # [rows, len(target_layer_ids) * hidden]
     spans: tuple[tuple[int, int, int], ...] = ()
     positions: torch.Tensor | None = None  # [rows] int64
     slots: torch.Tensor | None = None  # [rows] int64
-    owners: tuple[tuple[int, int | None, int], ...] = ()
+    leases: torch.Tensor | None = None  # [rows] int64, on the host
 
 
 class DFlashProposer:
@@ -71,6 +71,7 @@ class DFlashProposer:
         # and while the adaptive policy decodes plain the drafter costs nothing per step.
         self._deferred: list[ContextRows] = []
         self._deferred_rows = 0
+        self._ended_leases = pages.watch_ended_leases()  # since the last flush
         self.graphs: GraphRunner | None = None
         self._context_writer: RowGraphs | None = None
 
@@ -106,6 +107,7 @@ class DFlashProposer:
         """Inject the deferred rows in one batch."""
         rows, self._deferred, self._deferred_rows = self._deferred, [], 0
         self.inject(rows)
+        self._ended_leases.clear()  # no row noted under them is left
 
     @torch.inference_mode()
     def inject(self, rows: list[ContextRows]) -> None:
@@ -136,23 +138,17 @@ class DFlashProposer:
         return position_t, slot_t
 
     def _spare_freed(self, rows: list[ContextRows], slots: torch.Tensor) -> torch.Tensor:
-        """`slots` ([sum of rows] in row order) with the scratch slot for every row whose
-        request no longer holds the page allocation it was noted under; one device op for
-        all of them, none when every request still does (`spans` are looked up just now)."""
-        live: list[int] = []
-        counts: list[int] = []
-        for r in rows:
-            if not r.owners:
-                live.append(1)
-                counts.append(r.features.shape[0])
-            for seq_id, lease, count in r.owners:
-                live.append(int(self.pages.lease(seq_id) == lease))
-                counts.append(count)
-        if all(live):
+        """`slots` ([sum of rows] in row order) with the scratch slot for every row noted
+        under a lease that has ended since; one host op and one device op for all of them,
+        none when no lease has ended (`spans` are looked up just now)."""
+        if not self._ended_leases or all(r.leases is None for r in rows):
             return slots
-        live_t, counts_t = lists_to_device([live, counts], self.device)
-        keep = live_t.repeat_interleave(counts_t, output_size=slots.shape[0]).bool()
-        return torch.where(keep, slots, self.pages.scratch_slot)
+        leases = torch.cat([r.leases if r.leases is not None
+                            else torch.full((r.features.shape[0],), -1) for r in rows])
+        stale = torch.isin(leases, torch.tensor(sorted(self._ended_leases)))
+        if not stale.any():
+            return slots
+        return torch.where(stale.to(self.device), self.pages.scratch_slot, slots)
 
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor) -> tuple[()]:

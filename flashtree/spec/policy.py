@@ -21,6 +21,7 @@ import heapq
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 POLICIES = ("adaptive", "fixed")
@@ -178,16 +179,44 @@ class RecentSpeculation:
             variance / min(self.steps, 2 / _RECENT_RATE))
 
 
+def batch_bucket(requests: int) -> int:
+    """The power of two at or above `requests`: batch sizes measured and judged together."""
+    return 1 << (requests - 1).bit_length()
+
+
+@dataclass
+class BatchSizeState:
+    """The policy's step times and back-off at one bucket of batch sizes (`batch_bucket`):
+    how far measured steps are from the profile depends on the batch (host work weighs more
+    in small steps), and so does whether speculation pays."""
+
+    plain_scale: StepScale = field(default_factory=StepScale)
+    spec_scale: StepScale = field(default_factory=StepScale)
+    backoff: int = 0
+    plain_steps_left: int = 0
+    probe_steps_left: int = 0  # speculative steps the current or next probe still runs
+    spec_steps: int = 0  # speculative steps since the last plain probe
+
+
+def _spec_scale(size: BatchSizeState) -> StepScale:
+    return size.spec_scale
+
+
+def _plain_scale(size: BatchSizeState) -> StepScale:
+    return size.plain_scale
+
+
 @dataclass
 class SpecPolicy:
     """The adaptive policy's state: calibrations, measured step-time corrections, and when to probe
     speculation again after a step where drafting did not pay for itself.
 
-    Whether a step drafts at all is judged by measured steps (the forecast): a verdict against
-    speculation is only as good as the speculative steps timed before it, so speculation is
-    judged after probes, runs of _PROBE_STEPS speculative steps, the first _WARM_STEPS
-    untimed. The first steps are one (when steps are timed), and one follows every back-off:
-    the plain steps after a verdict against speculation, doubling while verdicts keep coming.
+    Whether a step drafts at all is judged by measured steps (the forecast), per bucket of
+    batch sizes: a verdict against speculation is only as good as the speculative steps timed
+    before it, so speculation is judged after probes, runs of _PROBE_STEPS speculative steps,
+    the first _WARM_STEPS untimed. The first steps are one (when steps are timed; a bucket not
+    measured yet borrows the nearest one's step times), and one follows every back-off: the
+    plain steps after a verdict against speculation, doubling while verdicts keep coming.
     The budgets of a step that drafts are the choice's (`choose`)."""
 
     cost: CostModel
@@ -195,17 +224,16 @@ class SpecPolicy:
     timed: bool = True  # steps' wall times are observed (not under TP, where ranks' differ)
     batch: Calibration = field(default_factory=Calibration)
     requests: dict[int, Calibration] = field(default_factory=dict)
-    backoff: int = 0
-    plain_steps_left: int = 0
-    probe_steps_left: int = 0  # speculative steps the current or next probe still runs
-    plain_scale: StepScale = field(default_factory=StepScale)
-    spec_scale: StepScale = field(default_factory=StepScale)
+    sizes: dict[int, BatchSizeState] = field(default_factory=dict)  # by batch_bucket
     recent: RecentSpeculation = field(default_factory=RecentSpeculation)
-    spec_steps: int = 0  # speculative steps since the last plain probe
     predicted_s: float = 0.0  # forward seconds the last choice expects (draft + verify)
     run_length: int = 0  # speculative steps in a row up to the last observed one
     reach: dict[int, list[float]] = field(default_factory=dict)  # per request: its last tree's
     recent_reach: list[float] | None = None  # raw gains per level, and their recent average
+
+    def at(self, requests: int) -> BatchSizeState:
+        """The state of the bucket of a batch of `requests`."""
+        return self.sizes.setdefault(batch_bucket(requests), BatchSizeState())
 
     def should_draft(self, requests: int) -> bool:
         """False (the step runs plain) during a back-off, and where the forecast from recent
@@ -214,22 +242,23 @@ class SpecPolicy:
         speculative steps are being measured, plain steps are too: one before the first
         comparison and one every _PLAIN_PROBE speculative steps. Probes speculate without
         asking the forecast."""
-        if self.plain_steps_left > 0:
-            self.plain_steps_left -= 1
+        size = self.at(requests)
+        if size.plain_steps_left > 0:
+            size.plain_steps_left -= 1
             return False
-        if self.spec_scale.seen and (not self.plain_scale.seen
-                                     or self.spec_steps >= _PLAIN_PROBE):
-            self.spec_steps = 0
+        if size.spec_scale.seen and (not size.plain_scale.seen
+                                     or size.spec_steps >= _PLAIN_PROBE):
+            size.spec_steps = 0
             return False
-        if self.probe_steps_left > 0 or (self.timed and not self.spec_scale.seen):
-            self.probe_steps_left = max(0, self.probe_steps_left - 1)
+        if size.probe_steps_left > 0 or (self.timed and not self._measured(_spec_scale)):
+            size.probe_steps_left = max(0, size.probe_steps_left - 1)
         elif self.forecast_pays(requests):
-            self.backoff = 0
+            size.backoff = 0
         else:
             self.back_off(requests)
-            self.plain_steps_left -= 1  # this step is the back-off's first
+            size.plain_steps_left -= 1  # this step is the back-off's first
             return False
-        self.spec_steps += 1
+        size.spec_steps += 1
         return True
 
     def back_off(self, requests: int) -> None:
@@ -239,12 +268,15 @@ class SpecPolicy:
         costs many plain ones, as with wide batches on a CPU, a probe is rare). A probe's cost
         is judged by the cheapest recent speculative step: cold ones would hold off the probes
         that show them to have been cold."""
-        cheapest = min(self.spec_scale.samples, default=1.0) * self.spec_profile_s(requests)
+        samples = self.at(requests).spec_scale.samples
+        cheapest = (min(samples) if samples else self._factor(requests, _spec_scale)
+                    ) * self.spec_profile_s(requests)
         probe_extra = _PROBE_STEPS * (cheapest / self.plain_s(requests) - 1)
-        self.backoff = max(min(max(_MIN_BACKOFF, 2 * self.backoff), _MAX_BACKOFF),
+        size = self.at(requests)
+        size.backoff = max(min(max(_MIN_BACKOFF, 2 * size.backoff), _MAX_BACKOFF),
                            math.ceil(probe_extra / _PROBE_SHARE))
-        self.plain_steps_left = self.backoff
-        self.probe_steps_left = _PROBE_STEPS
+        size.plain_steps_left = size.backoff
+        size.probe_steps_left = _PROBE_STEPS
 
     def forecast_pays(self, requests: int) -> bool:
         """Whether a speculative step of `requests` is expected to commit tokens faster than
@@ -258,7 +290,7 @@ class SpecPolicy:
     def spec_s(self, requests: int) -> float:
         """Expected seconds of a speculative step of `requests` that verifies as many drafts
         as recent ones did."""
-        return self.spec_scale.factor * self.spec_profile_s(requests)
+        return self._factor(requests, _spec_scale) * self.spec_profile_s(requests)
 
     def spec_profile_s(self, requests: int) -> float:
         """The profile's seconds of such a step."""
@@ -267,7 +299,21 @@ class SpecPolicy:
 
     def plain_s(self, requests: int) -> float:
         """Expected seconds of a plain decode step of `requests`."""
-        return self.plain_scale.factor * self.cost.target_s(requests)
+        return self._factor(requests, _plain_scale) * self.cost.target_s(requests)
+
+    def _factor(self, requests: int, kind: Callable[[BatchSizeState], StepScale]) -> float:
+        """Measured over profiled step time of one kind at this batch size: its bucket's, else
+        the nearest measured bucket's (1 before any is measured)."""
+        measured = self._measured(kind)
+        if not measured:
+            return 1.0
+        bits = batch_bucket(requests).bit_length()
+        return kind(self.sizes[min(measured, key=lambda b: (abs(b.bit_length() - bits), b))]
+                    ).factor
+
+    def _measured(self, kind: Callable[[BatchSizeState], StepScale]) -> list[int]:
+        """The buckets where steps of this kind have been measured."""
+        return [b for b, size in self.sizes.items() if kind(size).seen]
 
     def scale(self, seq_id: int) -> float:
         """Accepted per predicted draft for this request, shrunk towards the batch's ratio."""
@@ -314,9 +360,9 @@ class SpecPolicy:
         it pay)."""
         self.run_length = self.run_length + 1 if speculative else 0
         if self.run_length > _WARM_STEPS:
-            self.spec_scale.add(seconds, self.predicted_s)
+            self.at(requests).spec_scale.add(seconds, self.predicted_s)
         elif not speculative:
-            self.plain_scale.add(seconds, self.cost.target_s(requests))
+            self.at(requests).plain_scale.add(seconds, self.cost.target_s(requests))
 
     def observe_speculation(self, requests: int, verified: float, accepted: float) -> None:
         """A speculative step verified `verified` and accepted `accepted` drafts over

@@ -116,7 +116,7 @@ def test_a_verdict_against_speculation_backs_off_doubling_between_probes():
         pass
     for _ in range(_PROBE_STEPS + 10):
         assert policy.should_draft(1)
-    assert policy.backoff == 0
+    assert policy.at(1).backoff == 0
 
 
 def test_probes_are_rare_where_a_speculative_step_costs_many_plain_ones():
@@ -342,13 +342,27 @@ def test_measured_step_times_enter_the_forecast():
     assert policy.forecast_pays(4)
     for _ in range(8):
         policy.observe_step(True, 4, policy.predicted_s * 5)
-    assert policy.spec_scale.factor == pytest.approx(5.0) and not policy.forecast_pays(4)
+    assert policy.at(4).spec_scale.factor == pytest.approx(5.0) and not policy.forecast_pays(4)
     fresh = SpecPolicy(policy.cost, LEVELS)
     for _ in range(3):  # the first two of a run are not counted
         fresh.observe_step(True, 4, policy.predicted_s)
     assert not fresh.should_draft(4)  # plain steps not measured yet: one is
     fresh.observe_step(False, 4, policy.cost.target_s(4))
-    assert fresh.plain_scale.factor == pytest.approx(1.0)
+    assert fresh.at(4).plain_scale.factor == pytest.approx(1.0)
+
+
+def test_each_batch_size_is_judged_by_its_own_step_times():
+    """Host work weighs differently in small and wide steps: speculative steps of 4 requests
+    that take 2x their profile make plain decoding win at 4, while steps of 1 request, at
+    their profile, keep speculating there; a batch size not measured yet borrows the nearest
+    measured bucket's times (2 from 1's, 8 from 4's)."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _speculated(policy, requests=1, verified=8.0, accepted=1.5)
+    _speculated(policy, requests=4, verified=8.0, accepted=1.5, time_factor=2.0)
+    assert policy.at(1).spec_scale.factor == pytest.approx(1.0)
+    assert policy.forecast_pays(1) and not policy.forecast_pays(4)
+    assert policy.forecast_pays(2) and not policy.forecast_pays(8)
+    assert policy.should_draft(1) and not policy.should_draft(3)
 
 
 def test_a_profile_taken_on_a_busy_machine_is_corrected_by_measured_steps():
@@ -374,8 +388,8 @@ def test_forecast_skips_drafting_where_recent_steps_did_not_pay():
     plain = 0
     while not policy.should_draft(256):
         plain += 1
-    assert plain == policy.backoff >= _MIN_BACKOFF
-    assert policy.probe_steps_left == _PROBE_STEPS - 1
+    assert plain == policy.at(256).backoff >= _MIN_BACKOFF
+    assert policy.at(256).probe_steps_left == _PROBE_STEPS - 1
 
 
 def test_one_cold_step_does_not_hold_speculation_off():
@@ -386,7 +400,7 @@ def test_one_cold_step_does_not_hold_speculation_off():
     policy.observe_step(True, 4, policy.predicted_s + 1.0)
     assert policy.forecast_pays(4)  # the median of three
     policy.observe_step(True, 4, policy.predicted_s)
-    assert policy.spec_scale.factor == pytest.approx(1.0)
+    assert policy.at(4).spec_scale.factor == pytest.approx(1.0)
 
 
 def test_switching_steps_do_not_time_speculation():
@@ -401,12 +415,12 @@ def test_switching_steps_do_not_time_speculation():
         policy.observe_step(False, 4, policy.cost.target_s(4))
         policy.observe_step(True, 4, 3 * steady)
         policy.observe_step(True, 4, 3 * steady)
-    assert not policy.spec_scale.seen
+    assert not policy.at(4).spec_scale.seen
     policy.observe_speculation(4, 32, 8)
     policy.observe_step(True, 4, steady)  # a run's third step
-    assert policy.spec_scale.factor == pytest.approx(1.0) and policy.forecast_pays(4)
-    policy.spec_scale.add(3 * steady, steady)  # the probes' times
-    policy.spec_scale.add(3 * steady, steady)
+    assert policy.at(4).spec_scale.factor == pytest.approx(1.0) and policy.forecast_pays(4)
+    policy.at(4).spec_scale.add(3 * steady, steady)  # the probes' times
+    policy.at(4).spec_scale.add(3 * steady, steady)
     assert not policy.forecast_pays(4)
 
 
@@ -450,8 +464,9 @@ def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, m
         positions = [i for _, start, count in spans for i in range(start, start + count)]
         slots = [v for seq_id, start, count in spans for v in pages.slots(seq_id, start, count)]
         return ContextRows(torch.ones(len(positions), width), positions=torch.tensor(positions),
-                           slots=torch.tensor(slots), owners=tuple(
-                               (seq_id, pages.lease(seq_id), count) for seq_id, _, count in spans))
+                           slots=torch.tensor(slots), leases=torch.tensor(
+                               [pages.lease(seq_id) for seq_id, _, count in spans
+                                for _ in range(count)]))
 
     for seq_id in (5, 6, 7):
         pages.reserve(seq_id, 8)

@@ -104,7 +104,7 @@ def test_plain_steps_between_speculative_ones_keep_the_drafter_in_step(trained):
 
         def choose_then_skip(ids, gains):
             picks = choose(ids, gains)
-            policy.plain_steps_left = 1
+            policy.at(len(ids)).plain_steps_left = 1
             return picks
         policy.choose = choose_then_skip
 
