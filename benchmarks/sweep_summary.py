@@ -1,7 +1,7 @@
 """Summary of a `benchmarks/concurrency_sweep.sh` output: per concurrency and spec, each run's
-output throughput relative to `none` in the same run, their mean and range, the adaptive
-policy's mean budget, and one plot of throughput vs concurrency (mean, with the runs' range)
-beside the ratios to `none`.
+(or each round's, for runs of several interleaved rounds) output throughput relative to `none`
+in the same run, their mean and range, the adaptive policy's mean budget, and one plot of
+throughput vs concurrency (mean, with the runs' range) beside the ratios to `none`.
 
     python benchmarks/sweep_summary.py OUT_DIR   # writes OUT_DIR/summary.md and summary.png
 """
@@ -21,17 +21,23 @@ from flashtree.bench.report import mean_budget, read_rows  # noqa: E402
 Key = tuple[str, int]  # (spec, concurrency)
 
 
-def collect(out_dir: Path) -> tuple[list[str], dict[Key, list[dict]]]:
-    """Run names and, per (spec, concurrency), the row of each run (in run order)."""
+def collect(out_dir: Path) -> tuple[list[str], dict[Key, dict[str, dict]]]:
+    """Run names (`runK`, or `runK.R` for round R of a run with several) and, per (spec,
+    concurrency), the row of each."""
     runs = sorted((p for p in out_dir.glob("run*") if p.is_dir()), key=lambda p: int(p.name[3:]))
-    rows: dict[Key, list[dict]] = defaultdict(list)
+    rows: dict[Key, dict[str, dict]] = defaultdict(dict)
+    names: list[str] = []
     for run in runs:
-        for path in sorted(run.glob("*/results.jsonl")):
-            for r in read_rows(path):
-                rows[(r["spec"], r["concurrency"])].append(r)
+        run_rows = [r for path in sorted(run.glob("*/results.jsonl")) for r in read_rows(path)]
+        several = any(r.get("round", 1) > 1 for r in run_rows)
+        for r in run_rows:
+            name = f"{run.name}.{r.get('round', 1)}" if several else run.name
+            rows[(r["spec"], r["concurrency"])][name] = r
+            if name not in names:
+                names.append(name)
     if not rows:
         raise SystemExit(f"no run*/*/results.jsonl under {out_dir}")
-    return [r.name for r in runs], rows
+    return names, rows
 
 
 def summarize(out_dir: Path) -> list[Path]:
@@ -45,13 +51,15 @@ def summarize(out_dir: Path) -> list[Path]:
              "|---:|---|" + "---:|" * (len(runs) + 3)]
     for c in levels:
         for spec in specs:
-            ratios = [r["speedup_vs_none"] for r in rows.get((spec, c), [])]
+            by_run = rows.get((spec, c), {})
+            ratios = [r["speedup_vs_none"] for r in by_run.values()]
             if not ratios or spec == "none":
                 continue
-            budgets = [b for r in rows[(spec, c)]
+            budgets = [b for r in by_run.values()
                        if (b := mean_budget(r.get("budget_histogram"))) is not None]
             budget = f"{statistics.mean(budgets):.1f}" if budgets else "-"
-            lines.append(f"| {c} | {spec} | " + " | ".join(f"{x:.2f}" for x in ratios)
+            cells = [f"{by_run[n]['speedup_vs_none']:.2f}" if n in by_run else "-" for n in runs]
+            lines.append(f"| {c} | {spec} | " + " | ".join(cells)
                          + f" | **{statistics.mean(ratios):.2f}** | {min(ratios):.2f} | "
                          f"{budget} |")
     plot = _plot(out_dir, specs, levels, rows)
@@ -61,8 +69,8 @@ def summarize(out_dir: Path) -> list[Path]:
     return [summary, plot]
 
 
-def _plot(out_dir: Path, specs: list[str], levels: list[int], rows: dict[Key, list[dict]]
-          ) -> Path:
+def _plot(out_dir: Path, specs: list[str], levels: list[int],
+          rows: dict[Key, dict[str, dict]]) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,8 +78,8 @@ def _plot(out_dir: Path, specs: list[str], levels: list[int], rows: dict[Key, li
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for spec in specs:
-        pts = [(c, [r["output_throughput"] for r in rows[(spec, c)]],
-                [r["speedup_vs_none"] for r in rows[(spec, c)]])
+        pts = [(c, [r["output_throughput"] for r in rows[(spec, c)].values()],
+                [r["speedup_vs_none"] for r in rows[(spec, c)].values()])
                for c in levels if rows.get((spec, c))]
         cs = [c for c, _, _ in pts]
         means = [statistics.mean(t) for _, t, _ in pts]

@@ -56,6 +56,11 @@ def add_bench_parser(sub) -> None:
                             "or chain drafts), e.g. none,ddtree,ddtree:fixed:7")
     bench.add_argument("--block-size", type=int, default=None)
     bench.add_argument("--tree-budget", type=int, default=None)
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="timed runs of every method at each concurrency, interleaved: all "
+                            "engines stay loaded and each round runs them once, in an order "
+                            "rotated by one per round; speedups are taken within a round "
+                            "(machine drift cancels) and reported as mean and range")
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     _add_load_args(bench)
@@ -86,7 +91,8 @@ def _header(args: argparse.Namespace, what: str) -> list[str]:
     return [f"- command: `flashtree {shlex.join(sys.argv[1:])}`", f"- date: {now}",
             f"- machine: {platform.machine()}, {platform.system()}; {what}",
             f"- {args.num_prompts} prompts per run, max_tokens {args.max_tokens}, temperature "
-            f"{args.temperature}"]
+            f"{args.temperature}" + (f"; {args.rounds} interleaved rounds"
+                                     if args.rounds > 1 else "")]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -97,6 +103,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.max_tokens < 1:
         raise ValueError(f"--num-prompts and --max-tokens must be >= 1, got {args.num_prompts} "
                          f"and {args.max_tokens}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.bench_mode == "serving":
@@ -107,8 +115,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_offline(args: argparse.Namespace, out: Path) -> int:
     import torch
 
-    from flashtree import LLM
-    from flashtree.bench.offline import run_offline
     from flashtree.engine.heap import freeze_startup_heap
 
     specs = [s for s in args.spec.split(",") if s]
@@ -117,39 +123,76 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
         raise ValueError("--spec dflash/ddtree need --draft DIR (the default model has its own "
                          "drafter; or use --spec none)")
     datasets = [d for d in args.dataset.split(",") if d]
-    bar = _progress(len(specs) * len(datasets) * len(args.concurrency) * args.num_prompts,
-                    not args.no_progress)
+    bar = _progress(len(specs) * len(datasets) * len(args.concurrency) * args.num_prompts
+                    * args.rounds, not args.no_progress)
     rows = []
-    device = None
-    for spec, method in zip(specs, methods):
-        llm = LLM(model=args.model, draft=None if method.spec == "none" else args.draft,
-                  block_size=args.block_size, device=args.device, dtype=args.dtype,
-                  max_num_seqs=max(args.concurrency), seed=args.seed, **method.llm_kwargs(args))
-        freeze_startup_heap()  # as `flashtree serve` does
-        device = llm.device
+    if args.rounds == 1:  # one engine at a time
+        for spec, method in zip(specs, methods):
+            llm = _engine(args, method)
+            freeze_startup_heap()  # as `flashtree serve` does
+            device = llm.device
+            for name in datasets:
+                prompts = _prompts(args, llm, name)
+                for c in args.concurrency:
+                    _warm_up(args, llm, prompts, c)
+                    rows.append(_timed_run(args, llm, spec, name, prompts, c, 1, bar))
+            del llm
+            gc.unfreeze()  # the engine's own reference cycles can go now
+    else:  # every engine loaded, the methods interleaved round by round
+        engines = [_engine(args, method) for method in methods]
+        freeze_startup_heap()
+        device = engines[0].device
         for name in datasets:
-            prompts = load_dataset(name, args.num_prompts, args.seed,
-                                   llm.model_config.vocab_size, args.random_input_len)
+            prompts = _prompts(args, engines[0], name)
             for c in args.concurrency:
-                # Warm-up at this concurrency, so that one-time costs stay out of the timing: on
-                # CUDA the whole workload (Triton compiles the attention kernel for each new
-                # prefill shape on first use), elsewhere every prompt's prefill and a few steps
-                # (the adaptive policy's first speculative steps, which measure what
-                # speculation costs here, are as many).
-                warm_tokens = args.max_tokens if llm.device.type == "cuda" else 16
-                run_offline(llm, prompts, c, warm_tokens, args.temperature, args.seed)
-                before = dict(_budgets(llm))
-                records, duration = run_offline(llm, prompts, c, args.max_tokens,
-                                                args.temperature, args.seed, bar.update)
-                rows.append({"dataset": name, "spec": spec, "concurrency": c,
-                             **summarize(records, duration),
-                             "budget_histogram": _counts_since(before, _budgets(llm))})
-        del llm
-        gc.unfreeze()  # the engine's own reference cycles can go now
+                for llm in engines:
+                    _warm_up(args, llm, prompts, c)
+                for k in range(args.rounds):
+                    for i in (j % len(specs) for j in range(k, k + len(specs))):
+                        rows.append(_timed_run(args, engines[i], specs[i], name, prompts, c,
+                                               k + 1, bar))
     bar.close()
     what = f"device {device}, {torch.get_num_threads()} threads; model {args.model}" + (
         f", draft {args.draft}" if args.draft else "")
     return _write_outputs(out, rows, _header(args, what))
+
+
+def _engine(args: argparse.Namespace, method: Method):
+    from flashtree import LLM
+
+    return LLM(model=args.model, draft=None if method.spec == "none" else args.draft,
+               block_size=args.block_size, device=args.device, dtype=args.dtype,
+               max_num_seqs=max(args.concurrency), seed=args.seed, **method.llm_kwargs(args))
+
+
+def _prompts(args: argparse.Namespace, llm, name: str) -> list:
+    return load_dataset(name, args.num_prompts, args.seed, llm.model_config.vocab_size,
+                        args.random_input_len)
+
+
+def _warm_up(args: argparse.Namespace, llm, prompts: list, concurrency: int) -> None:
+    """A run at this concurrency that is not timed, so that one-time costs stay out of the
+    timing: on CUDA the whole workload (Triton compiles the attention kernel for each new
+    prefill shape on first use), elsewhere every prompt's prefill and a few steps (the
+    adaptive policy's first speculative steps, which measure what speculation costs here, are
+    as many)."""
+    from flashtree.bench.offline import run_offline
+
+    tokens = args.max_tokens if llm.device.type == "cuda" else 16
+    run_offline(llm, prompts, concurrency, tokens, args.temperature, args.seed)
+
+
+def _timed_run(args: argparse.Namespace, llm, spec: str, dataset: str, prompts: list,
+               concurrency: int, round_: int, bar) -> dict:
+    """One timed run: its metric row (with the draft budgets the run chose)."""
+    from flashtree.bench.offline import run_offline
+
+    before = dict(_budgets(llm))
+    records, duration = run_offline(llm, prompts, concurrency, args.max_tokens,
+                                    args.temperature, args.seed, bar.update)
+    return {"dataset": dataset, "spec": spec, "concurrency": concurrency, "round": round_,
+            **summarize(records, duration), "budget_histogram": _counts_since(before,
+                                                                             _budgets(llm))}
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,52 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
 
+def _run_key(r: dict) -> tuple:
+    return r["dataset"], r["concurrency"], r.get("round", 1)
+
+
 def add_speedups(rows: list[dict]) -> None:
     """speedup_vs_none: output throughput over that of `none` on the same dataset and
-    concurrency (None when no such baseline row exists)."""
-    base = {(r["dataset"], r["concurrency"]): r["output_throughput"]
-            for r in rows if r["spec"] == "none"}
+    concurrency, in the same round (None when no such baseline row exists)."""
+    base = {_run_key(r): r["output_throughput"] for r in rows if r["spec"] == "none"}
     for r in rows:
-        b = base.get((r["dataset"], r["concurrency"]))
+        b = base.get(_run_key(r))
         r["speedup_vs_none"] = r["output_throughput"] / b if b else None
+
+
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per dataset, spec and concurrency from the rows of its rounds: their metrics'
+    mean, histograms summed, the speedup the mean of each round's with its range
+    (speedup_min, speedup_max), and the number of rounds."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["dataset"], r["spec"], r["concurrency"])].append(r)
+    merged = []
+    for group in groups.values():
+        row: dict = {"rounds": len(group)}
+        for key, value in group[0].items():
+            values = [r.get(key) for r in group]
+            if isinstance(value, dict):
+                total: Counter = Counter()
+                for v in values:
+                    total.update(v or {})
+                row[key] = dict(sorted(total.items(), key=lambda kv: int(kv[0])))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(
+                    isinstance(v, (int, float)) for v in values):
+                row[key] = statistics.mean(values)
+            else:
+                row[key] = value
+        speedups = [r["speedup_vs_none"] for r in group if r.get("speedup_vs_none") is not None]
+        if speedups:
+            row["speedup_min"], row["speedup_max"] = min(speedups), max(speedups)
+        row.pop("round", None)
+        merged.append(row)
+    return merged
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -39,8 +73,9 @@ def _fmt(x, digits: int = 1) -> str:
 
 
 def write_report(out_dir: Path, rows: list[dict], header: list[str]) -> list[Path]:
-    """report.md (one table per dataset, slower-than-`none` rows flagged) and the plots;
-    returns the files written."""
+    """report.md (one table per dataset, slower-than-`none` rows flagged; rounds merged) and
+    the plots; returns the files written."""
+    rows = merge_rounds(rows)
     lines = ["# flashtree bench", "", *header, ""]
     slower = []
     written = [out_dir / "report.md"]
@@ -51,10 +86,12 @@ def write_report(out_dir: Path, rows: list[dict], header: list[str]) -> list[Pat
         lines += [f"## {dataset}", "",
                   "| spec | concurrency | output tok/s | req/s | TTFT mean / p99 ms | "
                   "TPOT mean / p99 ms | E2E mean ms | accept length | mean budget | "
-                  "speedup vs none |",
+                  "speedup vs none (rounds: mean, range) |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sorted(drows, key=lambda r: (r["spec"] != "none", r["spec"], r["concurrency"])):
             speed = r.get("speedup_vs_none")
+            spread = (f" ({r['speedup_min']:.2f}-{r['speedup_max']:.2f})"
+                      if r["rounds"] > 1 and speed is not None else "")
             flag = ""
             if speed is not None and speed < 1 and r["spec"] != "none":
                 flag = " **slower than none**"
@@ -65,7 +102,8 @@ def write_report(out_dir: Path, rows: list[dict], header: list[str]) -> list[Pat
                 f"{_fmt(r['request_throughput'], 2)} | {_fmt(r['mean_ttft_ms'])} / "
                 f"{_fmt(r['p99_ttft_ms'])} | {_fmt(r['mean_tpot_ms'])} / {_fmt(r['p99_tpot_ms'])}"
                 f" | {_fmt(r['mean_e2e_ms'])} | {_fmt(r['accept_length'], 2)} | "
-                f"{_fmt(mean_budget(r.get('budget_histogram')), 1)} | {_fmt(speed, 2)}{flag} |")
+                f"{_fmt(mean_budget(r.get('budget_histogram')), 1)} | {_fmt(speed, 2)}{spread}"
+                f"{flag} |")
         lines.append("")
         written += _plots(out_dir, dataset, drows)
         lines += [f"![throughput]({p.name})" for p in written[-2:-1]]

@@ -14,6 +14,7 @@ from flashtree import LLM
 from flashtree.bench.datasets import load_dataset
 from flashtree.bench.metrics import RequestRecord, summarize
 from flashtree.bench.offline import run_offline
+from flashtree.bench.report import add_speedups, merge_rounds
 
 REQUIRED = ["spec", "concurrency", "output_throughput", "request_throughput", "mean_ttft_ms",
             "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -71,6 +72,50 @@ def test_report_flags_slow_methods_and_plots_exist(sweep):
                  "accept_hist_chat.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"({name})" in report
+
+
+def test_rounds_interleave_methods_and_take_speedups_within_a_round(tiny_chat_model, tmp_path):
+    """--rounds 3: each method timed three times per concurrency, each row's speedup against
+    `none` of its own round; the report shows the rounds' mean and range."""
+    model, drafter = tiny_chat_model
+    run = subprocess.run(
+        [sys.executable, "-m", "flashtree", "bench", "--model", str(model), "--draft",
+         str(drafter), "--spec", "none,ddtree", "--dataset", "random", "--random-input-len",
+         "8", "--num-prompts", "3", "--max-tokens", "5", "--concurrency", "2", "--rounds", "3",
+         "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["spec"], r["round"]) for r in rows) == [
+        (s, k) for s in ("ddtree", "none") for k in (1, 2, 3)]
+    none = {r["round"]: r["output_throughput"] for r in rows if r["spec"] == "none"}
+    ratios = []
+    for r in rows:
+        assert r["completed"] == 3
+        ratios.append(r["output_throughput"] / none[r["round"]])
+        assert r["speedup_vs_none"] == pytest.approx(ratios[-1])
+    ddtree = [x for r, x in zip(rows, ratios) if r["spec"] == "ddtree"]
+    report = (tmp_path / "report.md").read_text()
+    assert "3 interleaved rounds" in report
+    assert (f"{sum(ddtree) / 3:.2f} ({min(ddtree):.2f}-{max(ddtree):.2f})") in report
+
+
+def test_merged_rounds_average_metrics_and_sum_histograms():
+    def row(spec, round_, throughput, hist):
+        return {"dataset": "d", "spec": spec, "concurrency": 4, "round": round_,
+                "output_throughput": throughput, "accept_length_histogram": hist}
+
+    rows = [row("none", 1, 100.0, {"1": 5}), row("ddtree", 1, 150.0, {"1": 1, "3": 2}),
+            row("ddtree", 2, 90.0, {"2": 4}), row("none", 2, 50.0, {"1": 5})]
+    add_speedups(rows)
+    merged = {r["spec"]: r for r in merge_rounds(rows)}
+    tree = merged["ddtree"]
+    assert tree["rounds"] == 2 and "round" not in tree
+    assert tree["output_throughput"] == pytest.approx(120.0)
+    assert tree["speedup_vs_none"] == pytest.approx((1.5 + 1.8) / 2)
+    assert (tree["speedup_min"], tree["speedup_max"]) == (pytest.approx(1.5), pytest.approx(1.8))
+    assert tree["accept_length_histogram"] == {"1": 1, "2": 4, "3": 2}
+    assert merged["none"]["speedup_vs_none"] == 1.0
 
 
 def test_tpot_lies_within_the_per_token_gaps(tiny_chat_model):

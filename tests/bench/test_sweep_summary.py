@@ -41,3 +41,15 @@ def test_summary_table_and_plot(tmp_path):
     assert "| 64 | ddtree | 1.10 | 0.50 | **0.80** | 0.50 | - |" in lines
     assert not any(line.startswith("| 1 | none") for line in lines)
     assert plot.stat().st_size > 0
+
+
+def test_runs_of_several_rounds_are_summed_up_round_by_round(tmp_path):
+    rows = [dict(_row("none", 4, 100, 100), round=1), dict(_row("ddtree", 4, 80, 100), round=1),
+            dict(_row("ddtree", 4, 130, 100), round=2), dict(_row("none", 4, 100, 100), round=2)]
+    folder = tmp_path / "run1" / "low_concurrency"
+    folder.mkdir(parents=True)
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary, _ = _module().summarize(tmp_path)
+    text = summary.read_text()
+    assert "Runs: run1.1, run1.2." in text
+    assert "| 4 | ddtree | 0.80 | 1.30 | **1.05** | 0.80 | - |" in text.splitlines()
