@@ -88,6 +88,7 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
     """One offline run with every engine step and draft-cache flush timed."""
     eng = llm.engine
     steps: list[tuple[float, int]] = []  # (seconds, speculative drafts so far)
+    details: list[tuple[float, int, dict, float]] = []  # seconds, requests, budgets, flush s
     by_position: dict[int, list[float]] = {}
     accepted_by_position: dict[int, list[int]] = {}  # accepted drafts per speculative step
     engine_step, flush = eng.step, eng.proposer.flush if eng.proposer else None
@@ -99,10 +100,15 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
         if decided is not None:  # this step's place in the forced pattern (-1: plain)
             position = decided["steps"] % decided["period"] - decided["plain"]
         accepted = stats.num_accepted_tokens if stats else 0
+        budgets, flushed = dict(stats.budgets) if stats else {}, flushes[0]
+        requests = len(eng.scheduler.running) + len(eng.scheduler.waiting)
         start = time.perf_counter()
         out = engine_step()
         seconds = time.perf_counter() - start
         steps.append((seconds, stats.num_drafts if stats else 0))
+        chosen = {b: n - budgets.get(b, 0) for b, n in sorted(stats.budgets.items())
+                  if n > budgets.get(b, 0)} if stats else {}
+        details.append((seconds, requests, chosen, flushes[0] - flushed))
         by_position.setdefault(max(position, -1), []).append(seconds)
         if position >= 0 and stats:
             accepted_by_position.setdefault(position, []).append(
@@ -134,7 +140,8 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
             "p99": 1e3 * times[int(len(times) * 0.99)], "max": 1e3 * times[-1],
             "flush_ms": 1e3 * flushes[0], "flushes": flushes[1],
             "gc_ms": 1e3 * gc_clock.seconds, "gc_full": gc_clock.full,
-            "by_position": by_position, "accepted_by_position": accepted_by_position}
+            "by_position": by_position, "accepted_by_position": accepted_by_position,
+            "slowest": sorted(details, key=lambda d: -d[0])[: args.slowest]}
 
 
 def main() -> int:
@@ -148,6 +155,10 @@ def main() -> int:
                          "each engine is built and warmed up with the workload once")
     ap.add_argument("--forced-runs", default=None, type=forced_runs, metavar="PLAIN,SPECULATIVE",
                     help="two positive integers, e.g. 40,8")
+    ap.add_argument("--slowest", type=int, default=0,
+                    help="list this many of each run's slowest steps: requests, the budgets "
+                         "chosen (request-steps by budget; none: prefill or plain engine), and "
+                         "the draft-cache flush inside the step")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     chat = args.model is not None
@@ -192,6 +203,12 @@ def main() -> int:
               f"| {r['accepted'] / max(r['spec_steps'], 1):.2f} "
               f"| {r['p50']:.2f} / {r['p99']:.2f} / {r['max']:.1f} "
               f"| {r['flushes']} ({r['flush_ms']:.1f}) | {r['gc_ms']:.1f} ({r['gc_full']}) |")
+    for i, (spec, r) in enumerate(results):
+        if r["slowest"]:
+            print(f"\nrun {i + 1} ({spec}), slowest steps: ms, requests in the engine, "
+                  "request-steps by budget, flush ms inside")
+        for seconds, requests, budgets, flush_s in r["slowest"]:
+            print(f"  {1e3 * seconds:8.2f} {requests:4d} {budgets} {1e3 * flush_s:.2f}")
     if decided is not None:
         spec, r = results[-1]
         print(f"\n{spec}: median step ms (mean accepted drafts) by position in a forced run "

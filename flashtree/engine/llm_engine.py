@@ -103,7 +103,8 @@ class LLMEngine:
                 # Wall times differ between TP ranks, whose choices must agree: TP goes by
                 # the profile.
                 policy = SpecPolicy(self._cost_model(spec_cfg, drafter),
-                                    budget_levels(spec_cfg.max_budget), timed=get_tp_size() == 1)
+                                    budget_levels(spec_cfg.max_budget), timed=get_tp_size() == 1,
+                                    one_budget=self.uses_cuda_graphs)
             self.speculative = SpeculativeDecoder(spec_cfg, self.proposer, self.runner,
                                                   self.cache, self.pages, policy)
         self._ids = itertools.count()

@@ -105,7 +105,8 @@ class SpeculativeDecoder:
             self._keep(seqs, walks, sizes, features)
         settled = self.planner.settle()
         predicted = [settled.get(s.seq_id, p) for s, p in zip(seqs, predicted)]
-        return self._record(seqs, walks, sizes, predicted)
+        return self._record(seqs, walks, sizes, predicted,
+                            commit_one=self.policy is not None and self.policy.probing)
 
     def _verify(self, seqs: list[Sequence], plans: list[Planned]
                 ) -> tuple[list[Walk], torch.Tensor]:
@@ -154,14 +155,18 @@ class SpeculativeDecoder:
             (seq_id, start, len(path)) for seq_id, start, path in kept))])
 
     def _record(self, seqs: list[Sequence], walks: list[Walk], sizes: list[int],
-                predicted: list[float | None]) -> list[Verified]:
+                predicted: list[float | None], commit_one: bool) -> list[Verified]:
         """Advance the requests past their accepted nodes (the caches hold them) and record
-        the policy's and stats' inputs."""
+        the policy's and stats' inputs. `commit_one` (a policy's probe): commit only the
+        root's token, which plain decoding would have produced; the KV and draft context
+        written past it are never read (lengths end before them) and are overwritten as
+        the next tokens are computed."""
         committed, accepted = [], 0
         for seq, (path, new), n, expected in zip(seqs, walks, sizes, predicted):
-            seq.num_computed += len(path)
+            kept = path[:1] if commit_one else path
+            seq.num_computed += len(kept)
             self.pages.set_length(seq.seq_id, seq.num_computed)
-            committed.append(Verified(new, n - 1))
+            committed.append(Verified(new[: len(kept)], n - 1))
             accepted += len(path) - 1
             if self.policy is not None and expected is not None:
                 self.policy.observe(seq.seq_id, len(path) - 1, expected)

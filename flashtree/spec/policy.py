@@ -111,6 +111,15 @@ def choose_budgets(
     return result, best_value
 
 
+def choose_one_budget(gains: list[list[float]], levels: tuple[int, ...], cost: CostModel,
+                      draft_s: float) -> int:
+    """The index j >= 1 into `levels` maximising (N + sum_r gains[r][j]) /
+    (draft_s + T(N * (1 + levels[j]))): one budget for every request of the step."""
+    n = len(gains)
+    return max(range(1, len(levels)), key=lambda j: (n + sum(g[j] for g in gains))
+               / (draft_s + cost.target_s(n * (1 + levels[j]))))
+
+
 def _rate(gain: list[float], levels: tuple[int, ...], j: int) -> float:
     return (gain[j + 1] - gain[j]) / (levels[j + 1] - levels[j])
 
@@ -217,11 +226,22 @@ class SpecPolicy:
     the first _WARM_STEPS untimed. The first steps are one (when steps are timed; a bucket not
     measured yet borrows the nearest one's step times), and one follows every back-off: the
     plain steps after a verdict against speculation, doubling while verdicts keep coming.
-    The budgets of a step that drafts are the choice's (`choose`)."""
+    A probe measures speculation without using it: its steps commit one token per request, as
+    plain steps would. Were they to commit their accepted drafts, the requests they speed up
+    would finish at other steps than they would have, and the admissions after them (a
+    prefill step each, costing many decode steps on a GPU) would come apart: a probe at a
+    wide batch cost a benchmark run of 800 steps a third of its throughput that way, against
+    the 3% its own steps cost. The budgets of a step that drafts are the choice's
+    (`choose`)."""
 
     cost: CostModel
     levels: tuple[int, ...]
     timed: bool = True  # steps' wall times are observed (not under TP, where ranks' differ)
+    # Every request of a step gets the same budget: where verify steps replay CUDA graphs,
+    # which pad each request's candidates to the step's largest budget (a smaller budget for
+    # some requests saves nothing there, and mixed trees leave the on-device DDTree path).
+    one_budget: bool = False
+    probing: bool = False  # the step should_draft last allowed is a probe's
     batch: Calibration = field(default_factory=Calibration)
     requests: dict[int, Calibration] = field(default_factory=dict)
     sizes: dict[int, BatchSizeState] = field(default_factory=dict)  # by batch_bucket
@@ -241,7 +261,7 @@ class SpecPolicy:
         batch size) says a draft cannot pay for itself: a verdict, before drafting. Once
         speculative steps are being measured, plain steps are too: one before the first
         comparison and one every _PLAIN_PROBE speculative steps. Probes speculate without
-        asking the forecast."""
+        asking the forecast, and commit what a plain step would (`probing`)."""
         size = self.at(requests)
         if size.plain_steps_left > 0:
             size.plain_steps_left -= 1
@@ -250,7 +270,9 @@ class SpecPolicy:
                                      or size.spec_steps >= _PLAIN_PROBE):
             size.spec_steps = 0
             return False
-        if size.probe_steps_left > 0 or (self.timed and not self._measured(_spec_scale)):
+        self.probing = size.probe_steps_left > 0 or (self.timed
+                                                     and not self._measured(_spec_scale))
+        if self.probing:
             size.probe_steps_left = max(0, size.probe_steps_left - 1)
         elif self.forecast_pays(requests):
             size.backoff = 0
@@ -323,11 +345,15 @@ class SpecPolicy:
 
     def choose(self, seq_ids: list[int], raw_gains: list[list[float]]) -> list[int]:
         """Budgets (from `levels`) for a batch that drafts: what the cost and acceptance
-        models expect to commit the most tokens per second, some of them 0; raw_gains[r][j] is
-        request r's sum of drafter path probabilities over the nodes of budget levels[j]."""
+        models expect to commit the most tokens per second, some of them 0 (with one_budget,
+        one budget for all); raw_gains[r][j] is request r's sum of drafter path probabilities
+        over the nodes of budget levels[j]."""
         gains = [[g * self.scale(s) for g in row] for s, row in zip(seq_ids, raw_gains)]
         n = len(seq_ids)
-        picks, _ = choose_budgets(gains, self.levels, self.cost, self.cost.draft_s(n))
+        if self.one_budget:
+            picks = [choose_one_budget(gains, self.levels, self.cost, self.cost.draft_s(n))] * n
+        else:
+            picks, _ = choose_budgets(gains, self.levels, self.cost, self.cost.draft_s(n))
         tokens = n + sum(self.levels[j] for j in picks)
         self.predicted_s = self.cost.draft_s(n) + self.cost.target_s(tokens)
         return [self.levels[j] for j in picks]

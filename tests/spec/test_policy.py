@@ -326,11 +326,35 @@ def test_seeded_sampling_with_speculation_returns_plain_samples(small_pair, spec
     common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
     plain = LLM(model=str(target), **common).generate(PROMPTS, sp)
     llm = LLM(model=str(target), draft=str(drafter), spec=spec, spec_policy=policy, **common)
-    if policy == "adaptive":
+    if policy == "adaptive":  # judged by a profile where speculation pays, not wall times
         llm.engine.speculative.policy.cost = _cost(per_token=0.005, draft=0.05)
+        llm.engine.speculative.policy.timed = False
     outs = llm.generate(PROMPTS, sp)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert sum(llm.engine.speculative.stats.accepted_per_pos) > 0  # drafts were accepted
+
+
+def test_probe_steps_measure_speculation_but_commit_as_plain_decoding(small_pair, tmp_path,
+                                                                      monkeypatch):
+    """Every step a probe's: trees are drafted and verified, and the policy learns how many
+    drafts each step accepted, but a step commits one token per request, the one plain
+    decoding commits (so that a probe does not move when requests finish)."""
+    def probe(self, requests):
+        self.probing = True
+        return True
+
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(SpecPolicy, "should_draft", probe)
+    target, drafter = small_pair
+    common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=str(target), **common).generate(PROMPTS, sp)
+    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", **common)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert all(set(o.outputs[0].spec_accept_lengths) == {1} for o in outs)
+    recent = llm.engine.speculative.policy.recent
+    assert recent.steps >= 20 and recent.accepted > 0.1
 
 
 def test_measured_step_times_enter_the_forecast():
