@@ -100,6 +100,9 @@ def test_plain_steps_between_speculative_ones_keep_the_drafter_in_step(trained):
     def force_plain_steps(llm):
         policy = llm.engine.speculative.policy
         policy.cost = CostModel(((1, 1.0), (4096, 1.0)), ((1, 0.0), (64, 0.0)))  # flat: max
+        # No speculative step here follows another, so none would be timed and every one
+        # would be a probe, which commits one token (as plain decoding would).
+        policy.timed = False
         choose = policy.choose
 
         def choose_then_skip(ids, gains):
