@@ -201,6 +201,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Sequence]:
         """Run one forward; return the sequences that got new tokens."""
+        # A decode step's time, for the adaptive policy: all of it, scheduling and the
+        # choice of budgets included (host work a speculative step adds counts against it).
+        start = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
@@ -209,11 +212,6 @@ class LLMEngine:
             return self._plain_step(chunks)
         speculate = (self.speculative.wants_draft([c.seq for c in chunks])
                      and self._reserve_lookahead(chunks))
-        if speculate:
-            # The draft cache catches up on the plain steps' context rows outside the timed
-            # step: the policy weighs a speculative step against plain ones, not that backlog.
-            self.speculative.proposer.flush()
-        start = time.perf_counter()
         if speculate:
             done = self._speculative_step(chunks)
         else:

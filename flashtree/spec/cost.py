@@ -22,7 +22,7 @@ from flashtree.spec.policy import CostModel
 
 _SCRATCH_ID = -1_000_000  # scratch request ids, below any real one (real ids count from 0)
 _CHUNK = 16  # tokens per scratch request in a target forward (a verify block)
-_REPEATS = 3  # timed runs per point (the median counts), after one warm-up run
+_REPEATS = 5  # timed runs per point (the fastest counts: noise only adds time), after a warm-up
 
 
 def profile_path(key: dict) -> Path:
@@ -68,7 +68,19 @@ def _timed(run, device: torch.device) -> float:
         run()
         sync()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return min(times)
+
+
+def lower_envelope(points: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """(size, seconds) points, ascending in size, with each time lowered to the fastest of
+    its own and every larger size's: a forward of more tokens or blocks is not faster, so a
+    point above a larger one's was slowed by noise (which, left in, would have the policy
+    shun the budget that point prices, where the larger ones are as cheap)."""
+    out, fastest = [], float("inf")
+    for size, seconds in reversed(points):
+        fastest = min(fastest, seconds)
+        out.append((size, fastest))
+    return tuple(reversed(out))
 
 
 @torch.inference_mode()
@@ -111,7 +123,7 @@ def measure_cost_model(
             _release(pages, scratch)
     finally:
         _release(pages, scratch)
-    return CostModel(tuple(target), tuple(draft))
+    return CostModel(lower_envelope(target), lower_envelope(draft))
 
 
 def _release(pages: PageTables, scratch: list[int]) -> None:

@@ -380,7 +380,8 @@ class SpecPolicy:
     def observe_step(self, speculative: bool, requests: int, seconds: float) -> None:
         """A decode step of `requests` took `seconds` of wall time: learn how far the profile
         is from it. The first _WARM_STEPS speculative steps after plain ones are not counted:
-        they run the drafter cold and cost more than the steps of a run that follow, and a
+        they run the drafter cold (and the first injects the plain steps' context rows into
+        the draft cache) and cost more than the steps of a run that follow, and a
         run's steps are what the choice to keep speculating is about (probes alone would
         otherwise be judged by their switching cost, and hold speculation off where runs of
         it pay)."""

@@ -13,7 +13,7 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.graphs.rows import RowGraphs
-from flashtree.spec.cost import load_profile, save_profile
+from flashtree.spec.cost import load_profile, lower_envelope, save_profile
 from flashtree.spec.policy import (
     _MAX_BACKOFF,
     _MIN_BACKOFF,
@@ -245,6 +245,20 @@ def test_profile_cache_round_trip_and_key_check(tmp_path, monkeypatch):
     save_profile(key, cost)
     assert load_profile(key) == cost
     assert load_profile({**key, "device": "other"}) is None
+
+
+def test_a_noisy_profile_point_is_lowered_to_the_larger_sizes_fastest():
+    rng = random.Random(3)
+    for _ in range(200):
+        sizes = sorted(rng.sample(range(1, 5000), rng.randint(1, 12)))
+        points = [(n, rng.uniform(0.5, 2.0)) for n in sizes]
+        lowered = lower_envelope(points)
+        assert [n for n, _ in lowered] == sizes
+        for i, (_, seconds) in enumerate(lowered):  # brute force: the fastest from here on
+            assert seconds == min(s for _, s in points[i:])
+    # A bump at 32 tokens (T(32) > T(64)) would price budgets 16-31 above 32-63 ones.
+    assert lower_envelope([(16, 1.5), (32, 1.745), (64, 1.536)]) == (
+        (16, 1.5), (32, 1.536), (64, 1.536))
 
 
 PROMPTS = TINY_PROMPTS
