@@ -35,7 +35,10 @@ _PROBE_SHARE = 1 / 32  # a probe's extra time would be more than this share of i
 # it pays by a tenth; this averages over a few hundred steps.
 _RECENT_RATE = 0.005
 _CONFIDENCE = 1.5  # standard errors of benefit of the doubt (see optimistic_accepted)
-_SCALE_SAMPLES = 8  # steps whose median measured/predicted ratio corrects the profile
+# Steps whose median measured/predicted ratio corrects the profile. The forecast is re-tested
+# every step: over a few steps, jitter in step times (10% on a GPU's host) crosses a margin of
+# a tenth often, and every crossing costs a back-off.
+_SCALE_SAMPLES = 32
 _PLAIN_PROBE = 64  # speculative steps in a row before one plain step re-measures plain decoding
 _WARM_STEPS = 2  # speculative steps after plain ones whose times are not counted
 _PROBE_STEPS = _WARM_STEPS + 2  # a probe's speculative steps: two of them are timed
@@ -141,8 +144,9 @@ class StepScale:
     """Measured over predicted seconds of recent engine steps of one kind (speculative or
     plain): corrects the profile for what it does not see (host work, tree building, sampling)
     and for a profile measured while the machine was busier or idler than now. The median of
-    the last few steps, so that one cold step (first-call allocations, a preempted process)
-    does not hold speculation off for the hundreds of plain steps the back-off waits."""
+    the last _SCALE_SAMPLES steps, so that one cold step (first-call allocations, a preempted
+    process) does not hold speculation off for the hundreds of plain steps the back-off
+    waits."""
 
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=_SCALE_SAMPLES))
     factor: float = 1.0  # the samples' median (kept current by add: read every step)
