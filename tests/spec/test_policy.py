@@ -94,6 +94,25 @@ def test_budgets_follow_each_request_and_match_exhaustive_search():
     assert picks[0] > picks[1]
 
 
+def test_one_budget_per_step_is_the_best_shared_level():
+    """Where CUDA graphs pad every request to the step's largest budget, the choice gives all
+    requests one level: the best of the shared levels by the same objective (whatever one
+    request alone would get)."""
+    gains = [_chain_gains(0.9), _chain_gains(0.4), _chain_gains(0.7)]
+    cost = _cost(per_token=0.02)
+    policy = SpecPolicy(cost, LEVELS, timed=False, one_budget=True)
+    picks = policy.choose([0, 1, 2], gains)
+
+    def objective(j):
+        n = len(gains)
+        tokens = n * (1 + LEVELS[j])
+        return (n + sum(g[j] for g in gains)) / (cost.draft_s(n) + cost.target_s(tokens))
+
+    assert len(set(picks)) == 1
+    assert picks[0] == LEVELS[max(range(1, len(LEVELS)), key=objective)]
+    assert set(choose_budgets(gains, LEVELS, cost, cost.draft_s(3))[0]) != {LEVELS.index(picks[0])}
+
+
 def test_a_verdict_against_speculation_backs_off_doubling_between_probes():
     """Where measured steps say drafting does not pay, the step runs plain and a back-off of
     plain steps follows, doubling up to 1024 while verdicts keep coming, each followed by a
