@@ -23,6 +23,7 @@ from flashtree.spec.policy import (
     budget_levels,
     choose_budgets,
 )
+from flashtree.spec.simulate import SyntheticMachine, chain_gains, run_steps
 from flashtree.spec.tree import best_first_levels, best_path_logprobs, build_trees, topk_logprobs
 from tests.tiny import TINY_PROMPTS
 
@@ -34,9 +35,7 @@ def _cost(per_token: float, base: float = 1.0, draft: float = 0.1) -> CostModel:
 
 
 def _chain_gains(accept: float) -> list[float]:
-    """Expected accepted drafts of a chain of each level when each draft is accepted with
-    probability `accept` given its parent was."""
-    return [sum(accept ** d for d in range(1, b + 1)) for b in LEVELS]
+    return chain_gains(accept, LEVELS)
 
 
 def test_budget_levels_are_a_fixed_ladder_ending_at_the_maximum():
@@ -153,42 +152,6 @@ def test_probes_are_rare_where_a_speculative_step_costs_many_plain_ones():
     assert _PROBE_STEPS * (ratio - 1) <= plain / 32 < _PROBE_STEPS * (ratio - 1) + 1 / 32
 
 
-def _run_engine_steps(policy: SpecPolicy, steps: int, plain_s: float, spec_factor: float,
-                      cold_steps: int = 0, seed: int = 0, jitter: float = 0.0) -> list[int]:
-    """Drives the policy through `steps` decode steps of one request as LLMEngine does with
-    DDTree, on a synthetic machine: plain steps take `plain_s`, speculative ones
-    `spec_factor` x their profiled forwards (the first `cold_steps` of them 3x that), and a
-    step accepts drafts as a real drafter's: each next one with probability 0.58 given its
-    parent was (1.38 on average, anywhere from 0 to the tree's depth of 7), while the drafter's
-    trees claim _chain_gains(0.7). With `jitter`, every step's time is off by a log-normal
-    factor of that spread, and one step in 50 is 3-10x slower (a host hiccup): what a GPU's
-    steps look like to the host. Returns each step's budget (0: plain)."""
-    rng, gains, budgets = random.Random(seed), _chain_gains(0.7), []
-
-    def noise() -> float:
-        return rng.lognormvariate(0, jitter) * (rng.uniform(3, 10) if rng.random() < 0.02 else 1)
-    for _ in range(steps):
-        budget = 0
-        if policy.should_draft(1):
-            budget = policy.choose([0], [policy.expected_gains(0)])[0]
-        if budget:
-            accepted = 0
-            while accepted < min(budget, 7) and rng.random() < 0.58:
-                accepted += 1
-            policy.note_reach(0, gains)
-            policy.observe(0, accepted, gains[LEVELS.index(budget)])
-            policy.observe_speculation(1, budget, accepted)
-            seconds = spec_factor * policy.predicted_s * (3 if cold_steps > 0 else 1)
-            cold_steps -= 1
-        else:
-            seconds = plain_s
-        if jitter:
-            seconds *= noise()
-        policy.observe_step(budget > 0, 1, seconds)
-        budgets.append(budget)
-    return budgets
-
-
 GPU_LIKE = _cost(per_token=2e-6, base=1e-3, draft=5e-4)  # seconds, a small model on a GPU
 
 
@@ -198,7 +161,7 @@ def test_speculation_that_pays_is_found_after_a_cold_start():
     run 3x slower (first calls: compiles, allocations), and the one of them that is timed
     judges speculation not to pay; the probe after the back-off brings it back."""
     policy = SpecPolicy(GPU_LIKE, LEVELS)
-    budgets = _run_engine_steps(policy, 3000, plain_s=1.37e-3, spec_factor=1.9, cold_steps=3)
+    budgets, _ = run_steps(policy, SyntheticMachine(1.37e-3, 1.9, cold_steps=3), 3000)
     late = budgets[-1000:]
     assert sum(b > 0 for b in late) >= 950, "speculation pays but the policy stays plain"
 
@@ -209,7 +172,7 @@ def test_speculation_that_pays_a_tenth_is_kept_whatever_the_draws(seed):
     early on (accepted drafts vary from 0 to 7 a step) must not hold speculation off for the
     rest of the run, as back-offs leave few steps to correct the average."""
     policy = SpecPolicy(GPU_LIKE, LEVELS)
-    budgets = _run_engine_steps(policy, 3000, plain_s=1.37e-3, spec_factor=1.9, seed=seed)
+    budgets, _ = run_steps(policy, SyntheticMachine(1.37e-3, 1.9), 3000, seed)
     assert sum(b > 0 for b in budgets[-1000:]) >= 950
 
 
@@ -220,8 +183,7 @@ def test_speculation_that_pays_a_tenth_is_kept_through_jittery_step_times():
     plain_shares = []
     for seed in range(8):
         policy = SpecPolicy(GPU_LIKE, LEVELS)
-        budgets = _run_engine_steps(policy, 3000, plain_s=1.37e-3, spec_factor=1.9, seed=seed,
-                                    jitter=0.1)
+        budgets, _ = run_steps(policy, SyntheticMachine(1.37e-3, 1.9, jitter=0.1), 3000, seed)
         plain_shares.append(sum(b == 0 for b in budgets[-2000:]) / 2000)
     assert sum(plain_shares) / len(plain_shares) <= 0.1, plain_shares
 
@@ -230,7 +192,7 @@ def test_speculation_that_does_not_pay_costs_few_steps():
     """Speculative steps at 4x their profile (6 ms) commit 2.4 tokens against one per
     1.37 ms for plain steps: probes, ever rarer, are the only speculative steps."""
     policy = SpecPolicy(GPU_LIKE, LEVELS)
-    budgets = _run_engine_steps(policy, 3000, plain_s=1.37e-3, spec_factor=4.0)
+    budgets, _ = run_steps(policy, SyntheticMachine(1.37e-3, 4.0), 3000)
     assert sum(b > 0 for b in budgets) <= 0.02 * len(budgets)
     assert sum(b > 0 for b in budgets[-1000:]) <= _PROBE_STEPS
 

@@ -1,0 +1,69 @@
+"""Drive the adaptive policy through the decode steps of one request on a synthetic machine, as
+LLMEngine does with DDTree: what the policy's tests check it against, and what
+`benchmarks/policy_simulation.py` compares policy settings on. No model runs: step times and
+accepted drafts are drawn."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from flashtree.spec.policy import SpecPolicy
+
+
+def chain_gains(accept: float, levels: tuple[int, ...]) -> list[float]:
+    """Expected accepted drafts of a chain of each level when each draft is accepted with
+    probability `accept` given its parent was."""
+    return [sum(accept ** d for d in range(1, b + 1)) for b in levels]
+
+
+@dataclass(frozen=True)
+class SyntheticMachine:
+    """Plain steps take `plain_s`; speculative ones `spec_factor` x their profiled forwards
+    (the first `cold_steps` of them 3x that). A step accepts drafts as a real drafter's: each
+    next one with probability `accept` given its parent was (1.38 on average at 0.58, anywhere
+    from 0 to the tree's depth of 7), while the drafter's trees claim chain_gains(`claimed`).
+    With `jitter`, every step's time is off by a log-normal factor of that spread, and one step
+    in 50 is 3-10x slower (a host hiccup): what a GPU's steps look like to the host."""
+
+    plain_s: float
+    spec_factor: float
+    cold_steps: int = 0
+    jitter: float = 0.0
+    accept: float = 0.58
+    claimed: float = 0.7
+    depth: int = 7
+
+
+def run_steps(policy: SpecPolicy, machine: SyntheticMachine, steps: int, seed: int = 0
+              ) -> tuple[list[int], float]:
+    """Each step's budget (0: plain) and the tokens committed per second over the run (a
+    probe's steps commit one token, as the engine's do)."""
+    rng = random.Random(seed)
+    gains = chain_gains(machine.claimed, policy.levels)
+    budgets: list[int] = []
+    cold_steps, tokens, seconds_total = machine.cold_steps, 0, 0.0
+    for _ in range(steps):
+        budget = 0
+        if policy.should_draft(1):
+            budget = policy.choose([0], [policy.expected_gains(0)])[0]
+        if budget:
+            accepted = 0
+            while accepted < min(budget, machine.depth) and rng.random() < machine.accept:
+                accepted += 1
+            policy.note_reach(0, gains)
+            policy.observe(0, accepted, gains[policy.levels.index(budget)])
+            policy.observe_speculation(1, budget, accepted)
+            seconds = machine.spec_factor * policy.predicted_s * (3 if cold_steps > 0 else 1)
+            cold_steps -= 1
+            tokens += 1 if policy.probing else 1 + accepted
+        else:
+            seconds = machine.plain_s
+            tokens += 1
+        if machine.jitter:
+            seconds *= rng.lognormvariate(0, machine.jitter) * (
+                rng.uniform(3, 10) if rng.random() < 0.02 else 1)
+        seconds_total += seconds
+        policy.observe_step(budget > 0, 1, seconds)
+        budgets.append(budget)
+    return budgets, tokens / seconds_total
