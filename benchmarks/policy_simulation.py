@@ -1,6 +1,6 @@
 """The adaptive policy's settings compared on a synthetic machine (`flashtree/spec/simulate.py`):
 committed tokens per second over plain decoding's, where speculation pays 11% and where it
-loses, with and without step-time jitter. No model runs; CPU only, about a minute per setting.
+loses, with and without step-time jitter. No model runs; CPU only, about 20 s per setting.
 
     python benchmarks/policy_simulation.py [--seeds 32] [--steps 3000]
 
