@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import sys
 
 from flashtree.spec import policy as policy_module
-from flashtree.spec.policy import CostModel, SpecPolicy, budget_levels
-from flashtree.spec.simulate import SyntheticMachine, run_steps
+from flashtree.spec.policy import SpecPolicy, budget_levels
+from flashtree.spec.simulate import GPU_LIKE, GPU_LIKE_PLAIN_S, SyntheticMachine, run_steps
 
-# A small model on a GPU: 1 ms per forward plus 2 us per token, 0.5 ms per draft.
-GPU_LIKE = CostModel(((1, 1e-3), (4096, 1e-3 + 4095 * 2e-6)), ((1, 5e-4), (64, 5e-4)))
-PLAIN_S = 1.37e-3
 # (speculative steps' time over their profile, jitter): 1.9 pays 11% per committed token, 2.4
 # loses 11%, 4 and 8 lose by 2x and 4x.
 CASES = [(1.9, 0.0), (1.9, 0.1), (1.9, 0.2), (2.4, 0.1), (4.0, 0.1), (8.0, 0.1)]
@@ -44,13 +40,6 @@ def policy_constants(values: dict[str, float]):
             setattr(policy_module, name, value)
 
 
-def plain_rate(jitter: float) -> float:
-    """Tokens per second of plain decoding under the machine's jitter (its mean factor: the
-    log-normal's, and one step in 50 at 6.5x on average)."""
-    slowdown = math.exp(jitter * jitter / 2) * (1 + 0.02 * 5.5) if jitter else 1.0
-    return 1 / (PLAIN_S * slowdown)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=32)
@@ -65,10 +54,11 @@ def main() -> int:
         with policy_constants(values):
             cells = []
             for factor, jitter in CASES:
-                machine = SyntheticMachine(PLAIN_S, factor, jitter=jitter)
+                machine = SyntheticMachine(GPU_LIKE_PLAIN_S, factor, jitter=jitter)
                 rates = [run_steps(SpecPolicy(GPU_LIKE, levels), machine, args.steps, seed)[1]
                          for seed in range(args.seeds)]
-                cells.append(f"{sum(rates) / len(rates) / plain_rate(jitter):.3f}")
+                plain_rate = 1 / (GPU_LIKE_PLAIN_S * machine.mean_slowdown)
+                cells.append(f"{sum(rates) / len(rates) / plain_rate:.3f}")
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
     return 0
 

@@ -23,7 +23,13 @@ from flashtree.spec.policy import (
     budget_levels,
     choose_budgets,
 )
-from flashtree.spec.simulate import SyntheticMachine, chain_gains, run_steps
+from flashtree.spec.simulate import (
+    GPU_LIKE,
+    GPU_LIKE_PLAIN_S,
+    SyntheticMachine,
+    chain_gains,
+    run_steps,
+)
 from flashtree.spec.tree import best_first_levels, best_path_logprobs, build_trees, topk_logprobs
 from tests.tiny import TINY_PROMPTS
 
@@ -152,16 +158,13 @@ def test_probes_are_rare_where_a_speculative_step_costs_many_plain_ones():
     assert _PROBE_STEPS * (ratio - 1) <= plain / 32 < _PROBE_STEPS * (ratio - 1) + 1 / 32
 
 
-GPU_LIKE = _cost(per_token=2e-6, base=1e-3, draft=5e-4)  # seconds, a small model on a GPU
-
-
 def test_speculation_that_pays_is_found_after_a_cold_start():
     """Speculative steps at 1.9x their profile (2.9 ms for a 15-node tree) commit 2.4 tokens
     against plain steps' one per 1.37 ms: speculation pays. The first three speculative steps
     run 3x slower (first calls: compiles, allocations), and the one of them that is timed
     judges speculation not to pay; the probe after the back-off brings it back."""
     policy = SpecPolicy(GPU_LIKE, LEVELS)
-    budgets, _ = run_steps(policy, SyntheticMachine(1.37e-3, 1.9, cold_steps=3), 3000)
+    budgets, _ = run_steps(policy, SyntheticMachine(GPU_LIKE_PLAIN_S, 1.9, cold_steps=3), 3000)
     late = budgets[-1000:]
     assert sum(b > 0 for b in late) >= 950, "speculation pays but the policy stays plain"
 
@@ -172,7 +175,7 @@ def test_speculation_that_pays_a_tenth_is_kept_whatever_the_draws(seed):
     early on (accepted drafts vary from 0 to 7 a step) must not hold speculation off for the
     rest of the run, as back-offs leave few steps to correct the average."""
     policy = SpecPolicy(GPU_LIKE, LEVELS)
-    budgets, _ = run_steps(policy, SyntheticMachine(1.37e-3, 1.9), 3000, seed)
+    budgets, _ = run_steps(policy, SyntheticMachine(GPU_LIKE_PLAIN_S, 1.9), 3000, seed)
     assert sum(b > 0 for b in budgets[-1000:]) >= 950
 
 
@@ -180,10 +183,9 @@ def test_speculation_that_pays_a_tenth_is_kept_through_jittery_step_times():
     """As above, with every step's time jittered (10%, and one step in 50 3-10x slower): the
     forecast is re-tested every step, so its step-time estimates must not let noise cross the
     threshold often, each crossing costing a back-off of a hundred plain steps or more."""
-    plain_shares = []
+    plain_shares, machine = [], SyntheticMachine(GPU_LIKE_PLAIN_S, 1.9, jitter=0.1)
     for seed in range(8):
-        policy = SpecPolicy(GPU_LIKE, LEVELS)
-        budgets, _ = run_steps(policy, SyntheticMachine(1.37e-3, 1.9, jitter=0.1), 3000, seed)
+        budgets, _ = run_steps(SpecPolicy(GPU_LIKE, LEVELS), machine, 3000, seed)
         plain_shares.append(sum(b == 0 for b in budgets[-2000:]) / 2000)
     assert sum(plain_shares) / len(plain_shares) <= 0.1, plain_shares
 
@@ -192,7 +194,7 @@ def test_speculation_that_does_not_pay_costs_few_steps():
     """Speculative steps at 4x their profile (6 ms) commit 2.4 tokens against one per
     1.37 ms for plain steps: probes, ever rarer, are the only speculative steps."""
     policy = SpecPolicy(GPU_LIKE, LEVELS)
-    budgets, _ = run_steps(policy, SyntheticMachine(1.37e-3, 4.0), 3000)
+    budgets, _ = run_steps(policy, SyntheticMachine(GPU_LIKE_PLAIN_S, 4.0), 3000)
     assert sum(b > 0 for b in budgets) <= 0.02 * len(budgets)
     assert sum(b > 0 for b in budgets[-1000:]) <= _PROBE_STEPS
 
