@@ -26,6 +26,11 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
+    counts = {"--prompts": args.prompts, "--tokens": args.tokens, "--rounds": args.rounds,
+              "--concurrency": args.concurrency}
+    if min(counts.values()) < 1:
+        parser.error("must be >= 1: " + ", ".join(f"{k} (got {v})" for k, v in counts.items()
+                                                 if v < 1))
     SpecPolicy.should_draft = lambda self, requests: False  # every step plain
     engines = {"none": LLM(model="default", device=args.device),
                "held plain": LLM(model="default", draft=str(DEFAULT_DRAFTER_DIR),

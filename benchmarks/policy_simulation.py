@@ -45,6 +45,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3000)
     args = parser.parse_args()
+    if args.seeds < 1 or args.steps < 1:
+        parser.error(f"--seeds and --steps must be >= 1, got {args.seeds} and {args.steps}")
     levels = budget_levels(15)
     print(f"`python {' '.join(sys.argv)}`: {args.seeds} seeds x {args.steps} steps per cell; "
           "tokens/s over plain decoding's (mean over seeds)\n")
