@@ -9,7 +9,8 @@
 # Sizes can be changed through the environment: LOW_CONC, LOW_PROMPTS, LOW_TOKENS, HIGH_CONC,
 # HIGH_PROMPTS, HIGH_TOKENS; ROUNDS=R times each method R times per run, interleaved in one
 # process (`flashtree bench --rounds`); FIRST_RUN=K starts at run K (seed K, order rotated
-# K - 1 times), so that runs can be split between processes, e.g. one per GPU.
+# K - 1 times), so that runs can be split between processes, e.g. one per GPU; HALF=low or
+# HALF=high runs that half alone.
 set -euo pipefail
 if [[ $# -lt 3 || ! ${4:-3} =~ ^[1-9][0-9]*$ ]]; then
     echo "usage: $0 MODEL DRAFT OUT_DIR [RUNS, a positive integer; default 3]" >&2
@@ -28,13 +29,18 @@ rotated() {  # rotated K SPEC... -> the specs joined by commas, starting at inde
 }
 
 first=${FIRST_RUN:-1}
+half=${HALF:-both}
+if [[ ! $half =~ ^(low|high|both)$ ]]; then
+    echo "HALF must be low, high or both, not '$half'" >&2
+    exit 2
+fi
 for ((run = first; run < first + runs; run++)); do
-    flashtree bench --model "$model" --draft "$draft" --no-progress --dataset chat --seed "$run" \
+    [[ $half == high ]] || flashtree bench --model "$model" --draft "$draft" --no-progress --dataset chat --seed "$run" \
         --spec "$(rotated $((run - 1)) "${low_specs[@]}")" --concurrency "${LOW_CONC:-1,4,16}" \
         --num-prompts "${LOW_PROMPTS:-24}" --max-tokens "${LOW_TOKENS:-128}" \
         --rounds "${ROUNDS:-1}" \
         --output-dir "$out/run$run/low_concurrency"
-    flashtree bench --model "$model" --draft "$draft" --no-progress --dataset chat --seed "$run" \
+    [[ $half == low ]] || flashtree bench --model "$model" --draft "$draft" --no-progress --dataset chat --seed "$run" \
         --spec "$(rotated $((run - 1)) "${high_specs[@]}")" --concurrency "${HIGH_CONC:-64,256}" \
         --num-prompts "${HIGH_PROMPTS:-768}" --max-tokens "${HIGH_TOKENS:-96}" \
         --rounds "${ROUNDS:-1}" \
