@@ -2,8 +2,8 @@
 whose policy is held plain (it never drafts, but still keeps the target's context features for
 the drafter), through the bench's offline loop, in alternating rounds.
 
-    python benchmarks/plain_overhead.py [--prompts 6] [--tokens 48] [--rounds 4]
-        [--concurrency 1] [--device cpu]
+    python benchmarks/plain_overhead.py [--model default] [--prompts 6] [--tokens 48]
+        [--rounds 4] [--concurrency 1] [--device cpu]
 
 Prints each round's times and the held-plain engine's speed over `none`'s per round."""
 
@@ -20,6 +20,7 @@ from flashtree.spec.policy import SpecPolicy
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="a target the bench takes")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=4)
@@ -32,9 +33,9 @@ def main() -> int:
         parser.error("must be >= 1: " + ", ".join(f"{k} (got {v})" for k, v in counts.items()
                                                  if v < 1))
     SpecPolicy.should_draft = lambda self, requests: False  # every step plain
-    engines = {"none": LLM(model="default", device=args.device),
-               "held plain": LLM(model="default", draft=str(DEFAULT_DRAFTER_DIR),
-                                 device=args.device)}
+    common = dict(model=args.model, device=args.device, max_num_seqs=args.concurrency)
+    engines = {"none": LLM(**common),
+               "held plain": LLM(draft=str(DEFAULT_DRAFTER_DIR), **common)}
     prompts = load_dataset("chat", args.prompts, 1, engines["none"].model_config.vocab_size)
     for llm in engines.values():
         run_offline(llm, prompts, args.concurrency, 16)  # warm-up
