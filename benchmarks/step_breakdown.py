@@ -32,7 +32,7 @@ from flashtree.bench.datasets import BenchPrompt, load_dataset  # noqa: E402
 from flashtree.bench.offline import run_offline  # noqa: E402
 from flashtree.engine.heap import freeze_startup_heap  # noqa: E402
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR  # noqa: E402
-from flashtree.spec.policy import SpecPolicy  # noqa: E402
+from flashtree.spec.policy import SpecPolicy, batch_bucket  # noqa: E402
 
 
 class GcClock:
@@ -121,6 +121,8 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
         flushes[0] += time.perf_counter() - start
         flushes[1] += pending > 0
 
+    policy = eng.speculative.policy if eng.speculative else None
+    by_bucket = watch_policy(policy) if policy is not None and decided is None else None
     eng.step = step
     if flush is not None:
         eng.proposer.flush = timed_flush
@@ -131,6 +133,8 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
     del eng.step
     if flush is not None:
         del eng.proposer.flush
+    if by_bucket is not None:
+        del policy.observe_step, policy.observe_speculation
     times = sorted(s for s, _ in steps)
     speculative = [s for i, (s, d) in enumerate(steps) if d != (steps[i - 1][1] if i else 0)]
     return {"wall": wall, "tokens": sum(r.num_output for r in records), "steps": len(steps),
@@ -141,7 +145,50 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
             "flush_ms": 1e3 * flushes[0], "flushes": flushes[1],
             "gc_ms": 1e3 * gc_clock.seconds, "gc_full": gc_clock.full,
             "by_position": by_position, "accepted_by_position": accepted_by_position,
-            "slowest": sorted(details, key=lambda d: -d[0])[: args.slowest]}
+            "slowest": sorted(details, key=lambda d: -d[0])[: args.slowest],
+            "by_bucket": by_bucket}
+
+
+def watch_policy(policy: SpecPolicy) -> dict[int, dict[str, list]]:
+    """Record the adaptive policy's own view of each decode step, per batch bucket: plain and
+    speculative step seconds, how many speculative steps were probes, and the accepted drafts
+    per request of each speculative step."""
+    by_bucket: dict[int, dict[str, list]] = {}
+    observe_step, observe_speculation = policy.observe_step, policy.observe_speculation
+
+    def bucket(requests: int) -> dict[str, list]:
+        return by_bucket.setdefault(batch_bucket(requests),
+                                    {"plain": [], "spec": [], "probes": [], "accepted": []})
+
+    def step(speculative: bool, requests: int, seconds: float) -> None:
+        b = bucket(requests)
+        b["spec" if speculative else "plain"].append(seconds)
+        if speculative and policy.probing:
+            b["probes"].append(seconds)
+        observe_step(speculative, requests, seconds)
+
+    def speculation(requests: int, verified: float, accepted: float) -> None:
+        bucket(requests)["accepted"].append(accepted / requests)
+        observe_speculation(requests, verified, accepted)
+
+    policy.observe_step, policy.observe_speculation = step, speculation
+    return by_bucket
+
+
+def print_by_bucket(name: str, by_bucket: dict[int, dict[str, list]], policy: SpecPolicy) -> None:
+    """One run's decode steps by batch bucket, and the policy's forecast there at the end."""
+    print(f"\n{name}, decode steps by batch bucket: steps plain / speculative (probes), median "
+          "ms plain / speculative, accepted drafts per request, (1 + accepted) x plain ms / "
+          "speculative ms (above 1: speculation paid); the forecast's ms plain / speculative and "
+          "accepted at the end")
+    for b, r in sorted(by_bucket.items()):
+        plain = 1e3 * statistics.median(r["plain"]) if r["plain"] else float("nan")
+        spec = 1e3 * statistics.median(r["spec"]) if r["spec"] else float("nan")
+        accepted = statistics.mean(r["accepted"]) if r["accepted"] else float("nan")
+        print(f"  {b:4d}: {len(r['plain'])} / {len(r['spec'])} ({len(r['probes'])}), "
+              f"{plain:.2f} / {spec:.2f} ms, {accepted:.2f}, {(1 + accepted) * plain / spec:.2f}; "
+              f"forecast {1e3 * policy.plain_s(b):.2f} / {1e3 * policy.spec_s(b):.2f} ms, "
+              f"{policy.recent.optimistic_accepted():.2f}")
 
 
 def main() -> int:
@@ -209,6 +256,10 @@ def main() -> int:
                   "request-steps by budget, flush ms inside")
         for seconds, requests, budgets, flush_s in r["slowest"]:
             print(f"  {1e3 * seconds:8.2f} {requests:4d} {budgets} {1e3 * flush_s:.2f}")
+    for i, (spec, r) in enumerate(results):
+        if r["by_bucket"] is not None:
+            print_by_bucket(f"run {i + 1} ({spec})", r["by_bucket"],
+                            engines[spec].engine.speculative.policy)
     if decided is not None:
         spec, r = results[-1]
         print(f"\n{spec}: median step ms (mean accepted drafts) by position in a forced run "
