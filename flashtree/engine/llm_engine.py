@@ -34,6 +34,11 @@ _PROFILE_MAX_TOKENS = 4096
 # Largest captured forward in token rows (beyond max_num_seqs decode rows): bigger verify
 # batches run eagerly, where launch overhead is small next to the work.
 _GRAPH_MAX_ROWS = 8192
+# Prompt chunks replay graphs of these tokens per request, up to _PREFILL_MAX_ROWS rows: an
+# eager prefill of a short prompt costs about ten decode steps in kernel launches, and wherever
+# requests finish at different steps (speculation makes them), each admission is one.
+_PREFILL_TOKENS = (32, 64, 128, 256)
+_PREFILL_MAX_ROWS = 2048
 
 
 @dataclass(frozen=True)
@@ -115,29 +120,31 @@ class LLMEngine:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        """Decode, draft and verify replay CUDA graphs: on CUDA, unless `enforce_eager`, for
-        single-process models whose attention runs on the Triton kernel (not MLA)."""
+        """Decode, short prompt chunks, draft and verify replay CUDA graphs: on CUDA, unless
+        `enforce_eager`, for single-process models whose attention runs on the Triton kernel
+        (not MLA)."""
         return (self.args.device.type == "cuda" and not self.args.enforce_eager
                 and get_tp_size() == 1 and self.cache.v is not None)
 
     def _capture_graphs(self, spec_cfg: SpecConfig | None) -> None:
-        """Capture decode (1 token per request) and, with a drafter, the draft block and the
-        verify shapes of every budget the policy can choose (chains or trees of budget + 1
-        tokens), for batch buckets up to max_num_seqs."""
+        """Capture decode (1 token per request), short prompt chunks and, with a drafter, the
+        draft block and the verify shapes of every budget the policy can choose (chains or
+        trees of budget + 1 tokens), for batch buckets up to max_num_seqs."""
         page = self.args.cache.page_size
         longest = self.args.scheduler.max_model_len + self.lookahead
         dims = GraphDims(max_pages=-(-longest // page) + 1, scratch_slot=self.pages.scratch_slot)
         buckets = batch_buckets(self.args.scheduler.max_num_seqs)
         max_rows = max(_GRAPH_MAX_ROWS, self.args.scheduler.max_num_seqs)
-        shapes = [(GraphMode.DECODE, 1)]
+        shapes = [(GraphMode.DECODE, 1, max_rows)]
+        shapes += [(GraphMode.PREFILL, t, _PREFILL_MAX_ROWS) for t in _PREFILL_TOKENS]
         if spec_cfg is not None:
             mode = GraphMode.VERIFY_TREE if spec_cfg.method == "ddtree" else GraphMode.VERIFY_CHAIN
             budgets = (budget_levels(spec_cfg.max_budget) if self.args.spec_policy == "adaptive"
                        else (spec_cfg.max_budget,))
-            shapes += [(mode, b + 1) for b in budgets]
+            shapes += [(mode, b + 1, max_rows) for b in budgets]
             assert self.proposer is not None
             self.proposer.capture_graphs(dims, buckets, spec_cfg.block_size, max_rows)
-        self.runner.capture_graphs(dims, buckets, shapes, max_rows)
+        self.runner.capture_graphs(dims, buckets, shapes)
 
     def _cost_model(self, spec_cfg: SpecConfig, drafter: DFlashDraftModel) -> CostModel:
         """The adaptive policy's step costs: cached for this shape of models and machine, else

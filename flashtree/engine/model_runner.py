@@ -1,5 +1,5 @@
 """Runs the target model on a ForwardBatch over the paged KV cache, replaying a captured CUDA
-graph for decode and verify batches when one holds the batch."""
+graph when one holds the batch."""
 
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ class ModelRunner:
         self.last_batch: ForwardBatch | None = None
 
     def capture_graphs(self, dims: GraphDims, buckets: list[int],
-                       shapes: Iterable[tuple[GraphMode, int]], max_rows: int) -> None:
-        """Capture the target forward for every (mode, tokens per request) in `shapes` at every
-        batch bucket of at most `max_rows` token rows. Needs a backend without a host-side plan
-        and a cache slot no request owns (dims.scratch_slot)."""
+                       shapes: Iterable[tuple[GraphMode, int, int]]) -> None:
+        """Capture the target forward for every (mode, tokens per request, max rows) in
+        `shapes` at every batch bucket of at most that many token rows. Needs a backend
+        without a host-side plan and a cache slot no request owns (dims.scratch_slot)."""
         forward = TargetForward(self.model, self.backend, self.capture_layers)
         self.graphs = GraphRunner(forward, dims, self.device, buckets)
-        for mode, tokens in shapes:
+        for mode, tokens, max_rows in shapes:
             self.graphs.capture(mode, tokens, max_rows)
 
     @torch.inference_mode()
@@ -74,8 +74,9 @@ class ModelRunner:
     def _replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The captured graph's outputs for `batch` (copies: the static outputs are overwritten
         by the next replay), or None when no graph holds it. Graphs gather the whole vocab."""
-        if self.graphs is None or (mode := graph_mode(batch)) is None:
+        if self.graphs is None:
             return None
+        mode = graph_mode(batch)
         key = self.graphs.bucket(mode, batch.attn.num_seqs, batch.attn.max_query_len)
         if key is None:
             return None

@@ -15,11 +15,12 @@ from flashtree.models.llama import DecoderModel
 
 
 def graph_mode(batch: ForwardBatch) -> GraphMode | None:
-    """The graph mode that runs `batch`, or None: prefill chunks run eagerly."""
+    """The graph mode that runs `batch`."""
     if batch.mode == Mode.VERIFY:
         tree = batch.attn.new_token_mask is not None
         return GraphMode.VERIFY_TREE if tree else GraphMode.VERIFY_CHAIN
-    return {Mode.DECODE: GraphMode.DECODE, Mode.DRAFT: GraphMode.DRAFT}.get(batch.mode)
+    return {Mode.DECODE: GraphMode.DECODE, Mode.DRAFT: GraphMode.DRAFT,
+            Mode.PREFILL: GraphMode.PREFILL}[batch.mode]
 
 
 def graph_inputs(batch: ForwardBatch) -> Inputs:
@@ -48,9 +49,9 @@ def static_metadata(key: GraphKey, static: dict[str, torch.Tensor], page_size: i
 
 
 class TargetForward:
-    """DECODE, VERIFY_CHAIN and VERIFY_TREE: the target over the paged cache -> (float32 logits
-    of the scored rows [batch * tokens, vocab], captured layer outputs [batch * tokens,
-    len(capture_layers) * hidden] or None)."""
+    """DECODE, VERIFY_CHAIN, VERIFY_TREE and PREFILL: the target over the paged cache ->
+    (float32 logits of the scored rows [num_scored, vocab], captured layer outputs
+    [batch * tokens, len(capture_layers) * hidden] or None)."""
 
     def __init__(self, model: DecoderModel, backend: AttentionBackend,
                  capture_layers: tuple[int, ...] = (), gather_logits: bool = True) -> None:

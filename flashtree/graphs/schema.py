@@ -23,6 +23,9 @@ class GraphMode(enum.Enum):
     DRAFT = "draft"  # DFlash block [bonus, mask x (B-1)] through the drafter
     VERIFY_CHAIN = "verify_chain"  # a causal chain of drafts through the target
     VERIFY_TREE = "verify_tree"  # a DDTree through the target, with the ancestor mask
+    # Prompt chunks through the target, causal; a chunk that ends its prompt scores its last
+    # token (one scored row per request at most).
+    PREFILL = "prefill"
 
 
 class GraphInputError(ValueError):
@@ -54,7 +57,8 @@ class GraphDims:
             "batch+1": key.batch + 1,
             "tokens": key.tokens,
             "num_tokens": key.batch * key.tokens,
-            "num_scored": key.batch * key.tokens,  # its own name: fewer rows than num_tokens
+            # Its own name: fewer rows than num_tokens where only last tokens are scored.
+            "num_scored": key.batch * (1 if key.mode is GraphMode.PREFILL else key.tokens),
             "max_pages": self.max_pages,
         }
         assert dim in sizes, f"unknown schema dimension {dim!r}; known: {sorted(sizes)}"

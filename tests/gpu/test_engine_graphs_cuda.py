@@ -1,7 +1,7 @@
-"""On a CUDA device the engine replays CUDA graphs for decode, draft and verify by default:
-its tokens equal the eager engine's (`enforce_eager=True`) for plain, DFlash and DDTree
-decoding, fixed and adaptive budgets, greedy and seeded sampling, with batches that run padded
-in a larger bucket. Skips without CUDA."""
+"""On a CUDA device the engine replays CUDA graphs for decode, prompt chunks, draft and verify
+by default: its tokens equal the eager engine's (`enforce_eager=True`) for plain, DFlash and
+DDTree decoding, fixed and adaptive budgets, greedy and seeded sampling, with batches that run
+padded in a larger bucket. Skips without CUDA."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ def test_graph_engine_equals_eager_engine(small_pair, spec, policy, temperature)
     graphed = LLM(**kw)
     runner = graphed.engine.runner
     assert runner.graphs is not None and runner.graphs.bucket(GraphMode.DECODE, 5, 1).batch == 6
+    longest = max(map(len, PROMPTS))
+    assert runner.graphs.bucket(GraphMode.PREFILL, len(PROMPTS), longest) is not None
     if spec != "none":
         assert graphed.engine.proposer.graphs is not None
     assert _tokens(graphed, params) == _tokens(LLM(**kw, enforce_eager=True), params)

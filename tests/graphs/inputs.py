@@ -30,6 +30,8 @@ def make_inputs(mode: GraphMode, q_lens: list[int], device: str, seed: int = 0
         scored = list(range(n))
     elif mode == GraphMode.DRAFT:  # every slot of each block but the bonus
         scored = [r for i in range(n) for r in range(starts[i] + 1, starts[i + 1])]
+    elif mode == GraphMode.PREFILL:  # the last token of every chunk but the first
+        scored = [s - 1 for s in starts[2:]]
     else:
         scored = list(range(n_tok))
     inputs = {

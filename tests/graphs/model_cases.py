@@ -20,7 +20,9 @@ from flashtree.spec.tree import ancestor_mask
 from tests.tiny import save_reference_drafter, save_tiny_qwen3
 
 PROMPTS = [[1, 2, 3, 4, 0, 1, 2, 5, 7], [3, 3, 1], [0, 4, 2, 2, 1, 3, 0, 1, 4, 2, 3, 1, 0, 9]]
-TOKENS = {"decode": 1, "verify_chain": 5, "verify_tree": 6}
+TOKENS = {"decode": 1, "verify_chain": 5, "verify_tree": 6, "prefill": 8}
+EAGER_MODES = {"decode": Mode.DECODE, "verify_chain": Mode.VERIFY, "verify_tree": Mode.VERIFY,
+               "prefill": Mode.PREFILL}
 BUCKETS = (2, 4)  # three requests run padded in the bucket of four
 
 
@@ -68,6 +70,9 @@ def _items(engine: LLMEngine, mode: str, rng: random.Random) -> list[BatchItem]:
         if mode == "verify_chain":
             items.append(BatchItem(seq.seq_id, n, tokens, all_logits=True))
             continue
+        if mode == "prefill":  # the first request's chunk does not end its prompt: unscored
+            items.append(BatchItem(seq.seq_id, n, tokens, wants_logits=bool(items)))
+            continue
         parents = [0] + [rng.randrange(v) for v in range(1, size)]
         depths = [0]
         for v in range(1, size):
@@ -90,10 +95,9 @@ def check_target(engine: LLMEngine, mode: str, rng: random.Random) -> None:
     device = engine.args.device
     items = _items(engine, mode, rng)
     graph_cache = with_scratch_page(engine.cache)
-    eager_mode = Mode.DECODE if mode == "decode" else Mode.VERIFY
     runner_ = engine.runner
-    expected, expected_features = runner_.forward(eager_mode, items)
-    batch = ForwardBatch.build(eager_mode, items, engine.pages, device)
+    expected, expected_features = runner_.forward(EAGER_MODES[mode], items)
+    batch = ForwardBatch.build(EAGER_MODES[mode], items, engine.pages, device)
     assert graph_mode(batch) == GraphMode(mode)
     forward = TargetForward(runner_.model, TritonBackend(graph_cache), runner_.capture_layers)
     runner = GraphRunner(forward, _dims(engine), device, BUCKETS, poison=True)

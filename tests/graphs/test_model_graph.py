@@ -1,7 +1,7 @@
 """The real target and drafter run through the graph runner (static padded buffers, poisoned
 before every copy, Triton attention under the CPU interpreter) give the eager SDPA forward's
-logits and features for decode, chain verify, tree verify and draft batches. Skipped without
-triton; where CUDA exists tests/gpu/ captures the same forwards in CUDA graphs."""
+logits and features for decode, chain verify, tree verify, prompt-chunk and draft batches.
+Skipped without triton; where CUDA exists tests/gpu/ captures the same forwards in CUDA graphs."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def engine(tmp_path_factory):
     return make_engine(tmp_path_factory.mktemp("graph_model"), "cpu")
 
 
-@pytest.mark.parametrize("mode", ["decode", "verify_chain", "verify_tree"])
+@pytest.mark.parametrize("mode", ["decode", "verify_chain", "verify_tree", "prefill"])
 def test_target_graph_equals_eager(engine, mode):
     check_target(engine, mode, random.Random(mode))
 

@@ -21,7 +21,7 @@ from tests.graphs.inputs import DIMS, make_inputs, model_like
 
 CPU = torch.device("cpu")
 TOKENS = {GraphMode.DECODE: 1, GraphMode.DRAFT: 4, GraphMode.VERIFY_CHAIN: 4,
-          GraphMode.VERIFY_TREE: 5}
+          GraphMode.VERIFY_TREE: 5, GraphMode.PREFILL: 6}
 
 
 def _runner(poison: bool = False, buckets=(1, 2, 4)) -> GraphRunner:
