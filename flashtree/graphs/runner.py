@@ -13,6 +13,7 @@ reservation and page-table edits, tree construction and the walk run before or a
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,7 +140,9 @@ class GraphRunner:
 def capture_graph(fn: Callable[[], Any], device: torch.device, pool=None
                   ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture `fn()` (which reads and writes only static tensors) after two warm-up calls on a
-    side stream (kernel compilation and library handles stay out of the graph)."""
+    side stream (kernel compilation and library handles stay out of the graph). The garbage
+    collector is off while it captures: a collection then could free another engine's graphs,
+    and destroying a graph is not permitted while a stream captures."""
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(current)
@@ -148,6 +151,12 @@ def capture_graph(fn: Callable[[], Any], device: torch.device, pool=None
             fn()
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = fn()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, outputs
