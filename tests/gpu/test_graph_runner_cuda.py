@@ -13,7 +13,7 @@ from tests.graphs.inputs import DIMS, make_inputs, model_like
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TOKENS = {GraphMode.DECODE: 1, GraphMode.DRAFT: 4, GraphMode.VERIFY_CHAIN: 4,
-          GraphMode.VERIFY_TREE: 5}
+          GraphMode.VERIFY_TREE: 5, GraphMode.PREFILL: 6}
 BUCKETS = (1, 2, 4, 8)
 
 
@@ -31,7 +31,7 @@ def runner():
 def test_graph_equals_eager(runner, mode, batch):
     t = TOKENS[mode]
     for seed in range(3):
-        ragged = mode in (GraphMode.VERIFY_CHAIN, GraphMode.VERIFY_TREE)
+        ragged = mode not in (GraphMode.DECODE, GraphMode.DRAFT)
         q_lens = [1 + (seed + i) % t if ragged else t for i in range(batch)]
         inputs = make_inputs(mode, q_lens, "cuda", seed=seed)
         got = runner.run(mode, batch, max(q_lens), inputs)
