@@ -257,7 +257,11 @@ class SpecPolicy:
 
     def at(self, requests: int) -> BatchSizeState:
         """The state of the bucket of a batch of `requests`."""
-        return self.sizes.setdefault(batch_bucket(requests), BatchSizeState())
+        bucket = batch_bucket(requests)
+        size = self.sizes.get(bucket)
+        if size is None:
+            size = self.sizes[bucket] = BatchSizeState()
+        return size
 
     def should_draft(self, requests: int) -> bool:
         """False (the step runs plain) during a back-off, and where the forecast from recent
@@ -344,7 +348,9 @@ class SpecPolicy:
     def scale(self, seq_id: int) -> float:
         """Accepted per predicted draft for this request, shrunk towards the batch's ratio."""
         prior = self.batch.accepted / self.batch.predicted if self.batch.predicted > 0 else 1.0
-        own = self.requests.get(seq_id, Calibration())
+        own = self.requests.get(seq_id)
+        if own is None:
+            return prior
         return (own.accepted + _PRIOR_STEPS * prior) / (own.predicted + _PRIOR_STEPS)
 
     def choose(self, seq_ids: list[int], raw_gains: list[list[float]]) -> list[int]:
@@ -352,7 +358,7 @@ class SpecPolicy:
         models expect to commit the most tokens per second, some of them 0 (with one_budget,
         one budget for all); raw_gains[r][j] is request r's sum of drafter path probabilities
         over the nodes of budget levels[j]."""
-        gains = [[g * self.scale(s) for g in row] for s, row in zip(seq_ids, raw_gains)]
+        gains = [[g * k for g in row] for k, row in zip(map(self.scale, seq_ids), raw_gains)]
         n = len(seq_ids)
         if self.one_budget:
             picks = [choose_one_budget(gains, self.levels, self.cost, self.cost.draft_s(n))] * n
