@@ -14,7 +14,7 @@ from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
 
 
-def graph_mode(batch: ForwardBatch) -> GraphMode | None:
+def graph_mode(batch: ForwardBatch) -> GraphMode:
     """The graph mode that runs `batch`."""
     if batch.mode == Mode.VERIFY:
         tree = batch.attn.new_token_mask is not None
