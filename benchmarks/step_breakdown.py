@@ -93,6 +93,7 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
     accepted_by_position: dict[int, list[int]] = {}  # accepted drafts per speculative step
     engine_step, flush = eng.step, eng.proposer.flush if eng.proposer else None
     flushes = [0.0, 0]
+    prefills = [0.0, 0]  # seconds, steps with a prompt chunk
     stats = eng.speculative.stats if eng.speculative else None
 
     def step():
@@ -102,10 +103,15 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
         accepted = stats.num_accepted_tokens if stats else 0
         budgets, flushed = dict(stats.budgets) if stats else {}, flushes[0]
         requests = len(eng.scheduler.running) + len(eng.scheduler.waiting)
+        prefilling = bool(eng.scheduler.waiting) or any(
+            s.num_uncomputed > 1 for s in eng.scheduler.running)
         start = time.perf_counter()
         out = engine_step()
         seconds = time.perf_counter() - start
         steps.append((seconds, stats.num_drafts if stats else 0))
+        if prefilling:
+            prefills[0] += seconds
+            prefills[1] += 1
         chosen = {b: n - budgets.get(b, 0) for b, n in sorted(stats.budgets.items())
                   if n > budgets.get(b, 0)} if stats else {}
         details.append((seconds, requests, chosen, flushes[0] - flushed))
@@ -143,6 +149,7 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
             "p50": 1e3 * times[len(times) // 2],
             "p99": 1e3 * times[int(len(times) * 0.99)], "max": 1e3 * times[-1],
             "flush_ms": 1e3 * flushes[0], "flushes": flushes[1],
+            "prefill_ms": 1e3 * prefills[0], "prefills": prefills[1],
             "gc_ms": 1e3 * gc_clock.seconds, "gc_full": gc_clock.full,
             "by_position": by_position, "accepted_by_position": accepted_by_position,
             "slowest": sorted(details, key=lambda d: -d[0])[: args.slowest],
@@ -242,13 +249,14 @@ def main() -> int:
     print(f"\nconcurrency {args.concurrency}, {args.num_prompts} prompts x {args.max_tokens} "
           f"tokens, {args.device}\n\n| spec | wall s | tok/s | steps | s in steps | "
           "speculative steps (ms) | accepted drafts per speculative step "
-          "| step p50 / p99 / max ms | flushes (ms) | GC ms (full) |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| step p50 / p99 / max ms | steps with a prompt chunk (ms) | flushes (ms) "
+          "| GC ms (full) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for spec, r in results:
         print(f"| {spec} | {r['wall']:.2f} | {r['tokens'] / r['wall']:.0f} | {r['steps']} "
               f"| {r['in_steps']:.2f} | {r['spec_steps']} ({r['spec_ms']:.1f}) "
               f"| {r['accepted'] / max(r['spec_steps'], 1):.2f} "
               f"| {r['p50']:.2f} / {r['p99']:.2f} / {r['max']:.1f} "
+              f"| {r['prefills']} ({r['prefill_ms']:.1f}) "
               f"| {r['flushes']} ({r['flush_ms']:.1f}) | {r['gc_ms']:.1f} ({r['gc_full']}) |")
     for i, (spec, r) in enumerate(results):
         if r["slowest"]:
