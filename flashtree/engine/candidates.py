@@ -250,11 +250,10 @@ class CandidatePlanner:
         ids, budgets, reach = self._unsettled
         self._unsettled = None
         assert self.policy is not None
-        predicted = {}
-        for seq_id, budget, row in zip(ids, budgets, reach.tolist()):
-            self.policy.note_reach(seq_id, [row[b] for b in self.policy.levels])
-            predicted[seq_id] = row[budget]
-        return predicted
+        rows = reach.tolist()
+        self.policy.note_reach({seq_id: [row[b] for b in self.policy.levels]
+                                for seq_id, row in zip(ids, rows)})
+        return {seq_id: row[budget] for seq_id, budget, row in zip(ids, budgets, rows)}
 
     def _top_logprobs(self, logits: torch.Tensor, k: int, full: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,11 +35,19 @@ _PROBE_SHARE = 1 / 32  # a probe's extra time would be more than this share of i
 # it pays by a tenth; this averages over a few hundred steps.
 _RECENT_RATE = 0.005
 _CONFIDENCE = 1.5  # standard errors of benefit of the doubt (see optimistic_accepted)
+# The share by which the forecast must favour speculation for a batch size to start (or
+# resume) speculating: speculating costs more than its steps' times (the drafter's catch-up
+# after plain steps; requests that end apart, each end then stalling the batch for a prompt
+# step, where plain decoding's end together), and the forecast's inputs are noisy. Where the
+# forecast's gain is smaller, decoding plain gives up at most that much. Once speculating, a
+# batch size goes on while the forecast breaks even (no back-and-forth on noise).
+_MARGIN = 0.05
 # Steps whose median measured/predicted ratio corrects the profile. The forecast is re-tested
 # every step: over a few steps, jitter in step times (10% on a GPU's host) crosses a margin of
 # a tenth often, and every crossing costs a back-off.
 _SCALE_SAMPLES = 32
 _PLAIN_PROBE = 64  # speculative steps in a row before one plain step re-measures plain decoding
+_TRUSTED_SAMPLES = 8  # steps of one kind from which a bucket's own step times are used
 _WARM_STEPS = 2  # speculative steps after plain ones whose times are not counted
 _PROBE_STEPS = _WARM_STEPS + 2  # a probe's speculative steps: two of them are timed
 
@@ -60,12 +68,23 @@ class CostModel:
 
     target: tuple[tuple[int, float], ...]  # (tokens in the target forward, seconds), ascending
     draft: tuple[tuple[int, float], ...]  # (requests drafting one block each, seconds)
+    # Values already interpolated, by size: the policy asks for the same few sizes every step,
+    # between two forwards (the device idles while the host works out the next step).
+    _target_memo: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+    _draft_memo: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
 
     def target_s(self, tokens: int) -> float:
-        return _interpolate(self.target, tokens)
+        seconds = self._target_memo.get(tokens)
+        if seconds is None:
+            seconds = self._target_memo[tokens] = _interpolate(self.target, tokens)
+        return seconds
 
     def draft_s(self, requests: int) -> float:
-        return _interpolate(self.draft, requests) if requests else 0.0
+        seconds = self._draft_memo.get(requests)
+        if seconds is None:
+            seconds = self._draft_memo[requests] = (
+                _interpolate(self.draft, requests) if requests else 0.0)
+        return seconds
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], x: int) -> float:
@@ -119,7 +138,8 @@ def choose_one_budget(gains: list[list[float]], levels: tuple[int, ...], cost: C
     """The index j >= 1 into `levels` maximising (N + sum_r gains[r][j]) /
     (draft_s + T(N * (1 + levels[j]))): one budget for every request of the step."""
     n = len(gains)
-    return max(range(1, len(levels)), key=lambda j: (n + sum(g[j] for g in gains))
+    totals = [sum(column) for column in zip(*gains)]  # expected accepted drafts per level
+    return max(range(1, len(levels)), key=lambda j: (n + totals[j])
                / (draft_s + cost.target_s(n * (1 + levels[j]))))
 
 
@@ -209,6 +229,9 @@ class BatchSizeState:
     plain_steps_left: int = 0
     probe_steps_left: int = 0  # speculative steps the current or next probe still runs
     spec_steps: int = 0  # speculative steps since the last plain probe
+    # The last verdict was for speculation: it goes on while the forecast breaks even, where
+    # starting (or resuming after a back-off) takes a forecast gain of _MARGIN.
+    speculating: bool = False
 
 
 def _spec_scale(size: BatchSizeState) -> StepScale:
@@ -282,14 +305,21 @@ class SpecPolicy:
                                                      and not self._measured(_spec_scale))
         if self.probing:
             size.probe_steps_left = max(0, size.probe_steps_left - 1)
-        elif self.forecast_pays(requests):
-            size.backoff = 0
+        elif self.forecast_pays(requests, 0.0 if size.speculating else self._margin()):
+            size.backoff, size.speculating = 0, True
         else:
+            size.speculating = False
             self.back_off(requests)
             size.plain_steps_left -= 1  # this step is the back-off's first
             return False
         size.spec_steps += 1
         return True
+
+    def _margin(self) -> float:
+        """The forecast gain that starts speculation: _MARGIN once the acceptance average
+        spans its whole window (1 / _RECENT_RATE steps); before, its own noise outweighs the
+        biases the margin is for, and the optimistic bound deals with that noise."""
+        return _MARGIN if self.recent.steps * _RECENT_RATE >= 1 else 0.0
 
     def back_off(self, requests: int) -> None:
         """A verdict against speculation at a batch of `requests`: plain steps, doubling from
@@ -308,14 +338,14 @@ class SpecPolicy:
         size.plain_steps_left = size.backoff
         size.probe_steps_left = _PROBE_STEPS
 
-    def forecast_pays(self, requests: int) -> bool:
+    def forecast_pays(self, requests: int, margin: float = 0.0) -> bool:
         """Whether a speculative step of `requests` is expected to commit tokens faster than
-        a plain one, judged before drafting from recent speculative steps' acceptance and
-        measured times (True before there are any)."""
+        a plain one by `margin` (a share), judged before drafting from recent speculative
+        steps' acceptance and measured times (True before there are any)."""
         if not self.recent.seen:
             return True
-        n = requests
-        return n * (1 + self.recent.optimistic_accepted()) / self.spec_s(n) >= n / self.plain_s(n)
+        return ((1 + self.recent.optimistic_accepted()) * self.plain_s(requests)
+                >= (1 + margin) * self.spec_s(requests))
 
     def spec_s(self, requests: int) -> float:
         """Expected seconds of a speculative step of `requests` that verifies as many drafts
@@ -332,18 +362,25 @@ class SpecPolicy:
         return self._factor(requests, _plain_scale) * self.cost.target_s(requests)
 
     def _factor(self, requests: int, kind: Callable[[BatchSizeState], StepScale]) -> float:
-        """Measured over profiled step time of one kind at this batch size: its bucket's, else
-        the nearest measured bucket's (1 before any is measured)."""
-        measured = self._measured(kind)
-        if not measured:
-            return 1.0
+        """Measured over profiled step time of one kind at this batch size: its bucket's once
+        it holds _TRUSTED_SAMPLES steps, else the nearest bucket's that does (else the nearest
+        measured one's; 1 before any is measured). A bucket that mostly speculates times a
+        plain step only every _PLAIN_PROBE speculative ones, and one step is a noisy basis for
+        a verdict."""
         bits = batch_bucket(requests).bit_length()
-        return kind(self.sizes[min(measured, key=lambda b: (abs(b.bit_length() - bits), b))]
-                    ).factor
+        nearest, nearest_key = None, None
+        for bucket, size in self.sizes.items():
+            scale = kind(size)
+            if not scale.seen:
+                continue
+            key = (len(scale.samples) < _TRUSTED_SAMPLES, abs(bucket.bit_length() - bits), bucket)
+            if nearest_key is None or key < nearest_key:
+                nearest, nearest_key = scale, key
+        return 1.0 if nearest is None else nearest.factor
 
-    def _measured(self, kind: Callable[[BatchSizeState], StepScale]) -> list[int]:
-        """The buckets where steps of this kind have been measured."""
-        return [b for b, size in self.sizes.items() if kind(size).seen]
+    def _measured(self, kind: Callable[[BatchSizeState], StepScale]) -> bool:
+        """Whether steps of this kind have been measured at any bucket."""
+        return any(kind(size).seen for size in self.sizes.values())
 
     def scale(self, seq_id: int) -> float:
         """Accepted per predicted draft for this request, shrunk towards the batch's ratio."""
@@ -379,13 +416,17 @@ class SpecPolicy:
         return self.recent_reach if self.recent_reach is not None else [float(b) for b in
                                                                          self.levels]
 
-    def note_reach(self, seq_id: int, gains: list[float]) -> None:
-        """A drafted tree's raw gains per level (the sums of its best nodes' path
-        probabilities), for the request's next choice."""
-        self.reach[seq_id] = gains
+    def note_reach(self, reach: dict[int, list[float]]) -> None:
+        """Drafted trees' raw gains per level (seq_id -> the sums of its best nodes' path
+        probabilities), for the requests' next choices; their mean enters the recent
+        average with the weight it would have gained one tree at a time."""
+        self.reach.update(reach)
+        n, rows = len(reach), list(reach.values())
+        mean = rows[0] if n == 1 else [sum(column) / n for column in zip(*rows)]
         old = self.recent_reach
-        self.recent_reach = gains if old is None else [
-            o + _RECENT_RATE * (g - o) for o, g in zip(old, gains)]
+        weight = 1 - (1 - _RECENT_RATE) ** n
+        self.recent_reach = mean if old is None else [
+            o + weight * (g - o) for o, g in zip(old, mean)]
 
     def observe_step(self, speculative: bool, requests: int, seconds: float) -> None:
         """A decode step of `requests` took `seconds` of wall time: learn how far the profile
@@ -409,7 +450,10 @@ class SpecPolicy:
     def observe(self, seq_id: int, accepted: int, predicted: float) -> None:
         """After verification: `accepted` drafts of the chosen candidates, whose raw predicted
         sum was `predicted`."""
-        self.requests.setdefault(seq_id, Calibration()).add(accepted, predicted)
+        own = self.requests.get(seq_id)
+        if own is None:
+            own = self.requests[seq_id] = Calibration()
+        own.add(accepted, predicted)
         self.batch.add(accepted, predicted)
 
     def forget(self, live: set[int]) -> None:

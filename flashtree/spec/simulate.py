@@ -67,7 +67,7 @@ def run_steps(policy: SpecPolicy, machine: SyntheticMachine, steps: int, seed: i
             accepted = 0
             while accepted < min(budget, machine.depth) and rng.random() < machine.accept:
                 accepted += 1
-            policy.note_reach(0, gains)
+            policy.note_reach({0: gains})
             policy.observe(0, accepted, gains[policy.levels.index(budget)])
             policy.observe_speculation(1, budget, accepted)
             seconds = machine.spec_factor * policy.predicted_s * (3 if cold_steps > 0 else 1)

@@ -15,9 +15,13 @@ from flashtree import LLM, SamplingParams
 from flashtree.graphs.rows import RowGraphs
 from flashtree.spec.cost import load_profile, lower_envelope, save_profile
 from flashtree.spec.policy import (
+    _MARGIN,
     _MAX_BACKOFF,
     _MIN_BACKOFF,
     _PROBE_STEPS,
+    _RECENT_RATE,
+    _TRUSTED_SAMPLES,
+    _WARM_STEPS,
     CostModel,
     SpecPolicy,
     budget_levels,
@@ -122,7 +126,8 @@ def test_a_verdict_against_speculation_backs_off_doubling_between_probes():
     """Where measured steps say drafting does not pay, the step runs plain and a back-off of
     plain steps follows, doubling up to 1024 while verdicts keep coming, each followed by a
     probe of _PROBE_STEPS speculative steps (whatever the forecast says: their times are what
-    the next verdict is judged by); once speculation pays, the back-off is over."""
+    the next verdict is judged by); once speculation pays by more than _MARGIN, the back-off
+    is over."""
     policy = SpecPolicy(_cost(per_token=1e-3, draft=0.05), LEVELS)
     _speculated(policy, requests=1, verified=4.0, accepted=0.02)  # a probe costs 1.2 plain steps
     runs, drafting = [], None
@@ -135,7 +140,9 @@ def test_a_verdict_against_speculation_backs_off_doubling_between_probes():
         drafting = step
     assert runs[0::2][:10] == [8, 16, 32, 64, 128, 256, 512, 1024, 1024, 1024]
     assert set(runs[1::2][:9]) == {_PROBE_STEPS}
-    policy.cost = _cost(per_token=1e-6, draft=0.0)  # drafting and verifying are free now
+    policy.cost = _cost(per_token=1e-6, draft=0.0)  # drafting and verifying are free now,
+    for _ in range(5):  # and half of the steps accept a draft: speculation pays by a half
+        policy.observe_speculation(1, 4.0, 1.0)
     while not policy.should_draft(1):  # the back-off under way, then the probe
         pass
     for _ in range(_PROBE_STEPS + 10):
@@ -465,6 +472,68 @@ def test_switching_steps_do_not_time_speculation():
     assert not policy.forecast_pays(4)
 
 
+def _forecast_gain(policy: SpecPolicy, requests: int, gain: float) -> None:
+    """An established acceptance average (a full window of speculative steps, 8 drafts
+    verified per request) and measured step times at their profile, such that the forecast
+    at `requests` expects speculation to commit `gain` times the tokens per second of plain
+    decoding."""
+    plain = policy.cost.target_s(requests)
+    spec = policy.cost.draft_s(requests) + policy.cost.target_s(requests * 9)
+    for _ in range(round(1 / _RECENT_RATE)):
+        policy.observe_speculation(requests, 8.0 * requests, (gain * spec / plain - 1) * requests)
+    policy.observe_step(False, requests, plain)
+    policy.predicted_s = spec
+    for _ in range(_WARM_STEPS + _TRUSTED_SAMPLES):
+        policy.observe_step(True, requests, spec)
+
+
+def _plain_steps_at(policy: SpecPolicy, requests: int, factor: float) -> None:
+    """Enough plain steps of `requests`, each `factor` x its profile, to be the median."""
+    for _ in range(32):
+        policy.observe_step(False, requests, factor * policy.cost.target_s(requests))
+
+
+def test_speculation_starts_on_a_clear_gain_and_goes_on_while_it_breaks_even():
+    """With the acceptance average established, a batch size starts speculating only where
+    the forecast gains _MARGIN (a 3% gain is within what the forecast does not see: it stays
+    plain); one that speculates goes on while the forecast breaks even, and stops where it
+    does not."""
+    assert _MARGIN > 0.03
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _forecast_gain(policy, requests=4, gain=1.03)
+    assert policy.forecast_pays(4) and not policy.forecast_pays(4, _MARGIN)
+    assert not policy.should_draft(4)
+
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _forecast_gain(policy, requests=4, gain=1.08)
+    assert policy.should_draft(4)
+    _plain_steps_at(policy, 4, 1.03 / 1.08)  # the forecast gain is now 3%
+    assert all(policy.should_draft(4) for _ in range(40))
+    _plain_steps_at(policy, 4, 0.97 / 1.08)  # and now a 3% loss
+    assert not policy.should_draft(4)
+    while not policy.should_draft(4):  # the back-off, then a probe (speculative steps)
+        pass
+    for _ in range(_PROBE_STEPS - 1):
+        assert policy.should_draft(4)
+    _plain_steps_at(policy, 4, 1.03 / 1.08)  # back to a 3% gain: not enough to resume
+    assert not policy.should_draft(4)
+
+
+def test_a_bucket_with_few_plain_steps_borrows_the_nearest_well_measured_times():
+    """A bucket that speculates times a plain step only every so often: until it has
+    _TRUSTED_SAMPLES of them, its plain step time is the nearest well-measured bucket's,
+    not one step's (here a slow one)."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _plain_steps_at(policy, 16, 1.0)
+    _plain_steps_at(policy, 1, 1.2)
+    policy.observe_step(False, 8, 1.5 * policy.cost.target_s(8))
+    assert policy.plain_s(8) == pytest.approx(policy.cost.target_s(8))  # 16's, the nearest
+    assert policy.plain_s(4) == pytest.approx(1.2 * policy.cost.target_s(4))  # 1's: 4 is as
+    for _ in range(_TRUSTED_SAMPLES - 1):  # near to 1 as to 16, and the smaller wins ties
+        policy.observe_step(False, 8, 1.5 * policy.cost.target_s(8))
+    assert policy.plain_s(8) == pytest.approx(1.5 * policy.cost.target_s(8))
+
+
 def test_trees_are_chosen_from_each_requests_last_tree_before_drafting():
     """DDTree budgets are chosen before the drafter runs (no wait for the draft): from the
     request's last tree's gains; for a new request, from recent trees' average; before any
@@ -473,10 +542,10 @@ def test_trees_are_chosen_from_each_requests_last_tree_before_drafting():
     policy = SpecPolicy(_cost(per_token=0.05, base=1.0, draft=0.2), LEVELS)
     assert policy.expected_gains(7) == [float(b) for b in LEVELS]
     assert max(policy.choose([7], [policy.expected_gains(7)])) == 15
-    policy.note_reach(7, _chain_gains(0.05))
+    policy.note_reach({7: _chain_gains(0.05)})
     assert policy.expected_gains(7) == _chain_gains(0.05)
     assert policy.expected_gains(8) == _chain_gains(0.05)  # the only tree so far
-    policy.note_reach(8, _chain_gains(0.95))
+    policy.note_reach({8: _chain_gains(0.95)})
     budgets = policy.choose([7, 8], [policy.expected_gains(7), policy.expected_gains(8)])
     assert budgets[0] == 0 and budgets[1] > 0
     mixed = policy.expected_gains(9)
