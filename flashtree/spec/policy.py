@@ -232,6 +232,7 @@ class BatchSizeState:
     # The last verdict was for speculation: it goes on while the forecast breaks even, where
     # starting (or resuming after a back-off) takes a forecast gain of _MARGIN.
     speculating: bool = False
+    rechecking: bool = False  # plain steps re-timed before a verdict against is final
 
 
 def _spec_scale(size: BatchSizeState) -> StepScale:
@@ -292,7 +293,9 @@ class SpecPolicy:
         batch size) says a draft cannot pay for itself: a verdict, before drafting. Once
         speculative steps are being measured, plain steps are too: one before the first
         comparison and one every _PLAIN_PROBE speculative steps. Probes speculate without
-        asking the forecast, and commit what a plain step would (`probing`)."""
+        asking the forecast, and commit what a plain step would (`probing`). Starting to
+        speculate takes a forecast gain of `_margin()`, going on a break-even; a verdict
+        against running speculation is taken again on fresh plain steps (`recheck`)."""
         size = self.at(requests)
         if size.plain_steps_left > 0:
             size.plain_steps_left -= 1
@@ -306,9 +309,12 @@ class SpecPolicy:
         if self.probing:
             size.probe_steps_left = max(0, size.probe_steps_left - 1)
         elif self.forecast_pays(requests, 0.0 if size.speculating else self._margin()):
-            size.backoff, size.speculating = 0, True
+            size.backoff, size.speculating, size.rechecking = 0, True, False
+        elif size.speculating and not size.rechecking:
+            self.recheck(requests)
+            return False
         else:
-            size.speculating = False
+            size.speculating = size.rechecking = False
             self.back_off(requests)
             size.plain_steps_left -= 1  # this step is the back-off's first
             return False
@@ -320,6 +326,18 @@ class SpecPolicy:
         spans its whole window (1 / _RECENT_RATE steps); before, its own noise outweighs the
         biases the margin is for, and the optimistic bound deals with that noise."""
         return _MARGIN if self.recent.steps * _RECENT_RATE >= 1 else 0.0
+
+    def recheck(self, requests: int) -> None:
+        """A first verdict against speculation while it runs at a batch of `requests`:
+        _MIN_BACKOFF plain steps, timed afresh, before the verdict is taken again. Its plain
+        step times are as old as its last plain steps (one every _PLAIN_PROBE speculative
+        ones) and its speculative ones recent: a machine that slowed down since (another
+        process, clocks) would otherwise look like speculation stopped paying, and a back-off
+        is long where a probe costs many plain steps."""
+        size = self.at(requests)
+        size.rechecking = True
+        size.plain_scale = StepScale()
+        size.plain_steps_left = _MIN_BACKOFF - 1  # this step is the first
 
     def back_off(self, requests: int) -> None:
         """A verdict against speculation at a batch of `requests`: plain steps, doubling from

@@ -493,11 +493,31 @@ def _plain_steps_at(policy: SpecPolicy, requests: int, factor: float) -> None:
         policy.observe_step(False, requests, factor * policy.cost.target_s(requests))
 
 
+def _decode(policy: SpecPolicy, requests: int, steps: int, plain_factor: float,
+            spec_factor: float) -> list[bool]:
+    """`steps` decode steps as the engine runs them (acceptance as it was): each speculative
+    one (8 drafts verified per request) timed at `spec_factor` x its profile, each plain one
+    at `plain_factor` x its profile. Returns whether each step speculated."""
+    spec = policy.cost.draft_s(requests) + policy.cost.target_s(requests * 9)
+    drafted = []
+    for _ in range(steps):
+        drafted.append(policy.should_draft(requests))
+        policy.predicted_s = spec
+        policy.observe_step(drafted[-1], requests, spec_factor * spec if drafted[-1]
+                            else plain_factor * policy.cost.target_s(requests))
+    return drafted
+
+
+def _runs(drafted: list[bool]) -> list[tuple[bool, int]]:
+    """(speculated, steps) of each run of equal steps, in order."""
+    return [(k, len(list(g))) for k, g in itertools.groupby(drafted)]
+
+
 def test_speculation_starts_on_a_clear_gain_and_goes_on_while_it_breaks_even():
     """With the acceptance average established, a batch size starts speculating only where
     the forecast gains _MARGIN (a 3% gain is within what the forecast does not see: it stays
     plain); one that speculates goes on while the forecast breaks even, and stops where it
-    does not."""
+    does not, resuming only where the gain is _MARGIN again."""
     assert _MARGIN > 0.03
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     _forecast_gain(policy, requests=4, gain=1.03)
@@ -506,17 +526,35 @@ def test_speculation_starts_on_a_clear_gain_and_goes_on_while_it_breaks_even():
 
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     _forecast_gain(policy, requests=4, gain=1.08)
-    assert policy.should_draft(4)
+    assert all(_decode(policy, 4, 20, plain_factor=1.0, spec_factor=1.0))
     _plain_steps_at(policy, 4, 1.03 / 1.08)  # the forecast gain is now 3%
-    assert all(policy.should_draft(4) for _ in range(40))
-    _plain_steps_at(policy, 4, 0.97 / 1.08)  # and now a 3% loss
-    assert not policy.should_draft(4)
-    while not policy.should_draft(4):  # the back-off, then a probe (speculative steps)
-        pass
-    for _ in range(_PROBE_STEPS - 1):
-        assert policy.should_draft(4)
+    assert all(_decode(policy, 4, 30, plain_factor=1.03 / 1.08, spec_factor=1.0))
+    _plain_steps_at(policy, 4, 0.97 / 1.08)  # and now a 3% loss: plain, then probes
+    runs = _runs(_decode(policy, 4, 600, plain_factor=0.97 / 1.08, spec_factor=1.0))
+    assert runs[0][0] is False and runs[0][1] > _MIN_BACKOFF
+    assert max(n for speculated, n in runs if speculated) == _PROBE_STEPS  # a window may
     _plain_steps_at(policy, 4, 1.03 / 1.08)  # back to a 3% gain: not enough to resume
-    assert not policy.should_draft(4)
+    runs = _runs(_decode(policy, 4, 1000, plain_factor=1.03 / 1.08, spec_factor=1.0))
+    assert max(n for speculated, n in runs if speculated) == _PROBE_STEPS  # cut a probe
+
+
+def test_a_verdict_against_running_speculation_is_rechecked_on_fresh_plain_steps():
+    """Plain steps are timed once every _PLAIN_PROBE speculative ones: when the whole
+    machine slows down by a fifth, speculative steps show it first, and the forecast turns
+    against speculation. The verdict is taken again after _MIN_BACKOFF plain steps timed
+    afresh, and speculation resumes; where speculative steps alone slowed down, the
+    back-off follows."""
+    for plain_factor, resumes in ((1.2, True), (1.0, False)):
+        policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+        _forecast_gain(policy, requests=4, gain=1.08)
+        assert all(_decode(policy, 4, 20, plain_factor=1.0, spec_factor=1.0))
+        runs = _runs(_decode(policy, 4, 60, plain_factor=plain_factor, spec_factor=1.2))
+        assert runs[0][0] is True and runs[1][0] is False
+        if resumes:
+            assert runs[1][1] == _MIN_BACKOFF and runs[2][0] is True
+            assert all(n == 1 for speculated, n in runs[2:] if not speculated)  # re-timing
+        else:
+            assert runs[1][1] > _MIN_BACKOFF
 
 
 def test_a_bucket_with_few_plain_steps_borrows_the_nearest_well_measured_times():
