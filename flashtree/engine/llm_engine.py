@@ -275,12 +275,10 @@ class LLMEngine:
                     self._append(c.seq, [token], record=c.decode)
         return [c.seq for c in sampling]
 
-    def _row_leases(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """[rows] the page lease of each row's request (rows: the chunks' tokens, in order)."""
-        leases = torch.tensor([self.pages.lease(c.seq.seq_id) for c in chunks])
-        if all(c.count == 1 for c in chunks):
-            return leases
-        return leases.repeat_interleave(torch.tensor([c.count for c in chunks]))
+    def _row_leases(self, chunks: list[ScheduledChunk]) -> tuple[tuple[int, int], ...]:
+        """(page lease, rows) of each chunk's request, in row order."""
+        lease = self.pages.lease
+        return tuple((lease(c.seq.seq_id), c.count) for c in chunks)
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int | None]:
         """One token per chunk (logits [len(chunks), vocab]), drawn for the whole batch at once;

@@ -39,7 +39,10 @@ class ContextRows:
     spans: tuple[tuple[int, int, int], ...] = ()
     positions: torch.Tensor | None = None  # [rows] int64
     slots: torch.Tensor | None = None  # [rows] int64
-    leases: torch.Tensor | None = None  # [rows] int64, on the host
+    # (lease, rows) per request, in row order: host ints only, as plain steps make one each
+    # (a host tensor op per step costs more than the step's other host work, where threads
+    # wake up for it) and they are looked at only when a lease has ended.
+    leases: tuple[tuple[int, int], ...] | None = None
 
 
 class DFlashProposer:
@@ -139,16 +142,20 @@ class DFlashProposer:
 
     def _spare_freed(self, rows: list[ContextRows], slots: torch.Tensor) -> torch.Tensor:
         """`slots` ([sum of rows] in row order) with the scratch slot for every row noted
-        under a lease that has ended since; one host op and one device op for all of them,
-        none when no lease has ended (`spans` are looked up just now)."""
+        under a lease that has ended since; one device op for all of them, none when no
+        lease has ended (`spans` are looked up just now)."""
         if not self._ended_leases or all(r.leases is None for r in rows):
             return slots
-        leases = torch.cat([r.leases if r.leases is not None
-                            else torch.full((r.features.shape[0],), -1) for r in rows])
-        stale = torch.isin(leases, torch.tensor(sorted(self._ended_leases)))
-        if not stale.any():
+        stale, counts = [], []  # per run of rows
+        for r in rows:
+            runs = r.leases if r.leases is not None else ((None, r.features.shape[0]),)
+            for lease, count in runs:
+                stale.append(lease in self._ended_leases)
+                counts.append(count)
+        if not any(stale):
             return slots
-        return torch.where(stale.to(self.device), self.pages.scratch_slot, slots)
+        mask = torch.tensor(stale).repeat_interleave(torch.tensor(counts))
+        return torch.where(mask.to(self.device), self.pages.scratch_slot, slots)
 
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor) -> tuple[()]:

@@ -612,9 +612,8 @@ def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, m
         positions = [i for _, start, count in spans for i in range(start, start + count)]
         slots = [v for seq_id, start, count in spans for v in pages.slots(seq_id, start, count)]
         return ContextRows(torch.ones(len(positions), width), positions=torch.tensor(positions),
-                           slots=torch.tensor(slots), leases=torch.tensor(
-                               [pages.lease(seq_id) for seq_id, _, count in spans
-                                for _ in range(count)]))
+                           slots=torch.tensor(slots), leases=tuple(
+                               (pages.lease(seq_id), count) for seq_id, _, count in spans))
 
     for seq_id in (5, 6, 7):
         pages.reserve(seq_id, 8)
