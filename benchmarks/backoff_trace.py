@@ -1,6 +1,7 @@
 """Every verdict against speculation an adaptive DDTree engine reaches over a warm-up run and two
 timed runs of the chat set (`flashtree bench`'s offline loop), with the forecast's inputs then:
-why an engine decodes plain where speculation pays.
+why an engine decodes plain where speculation pays. A verdict against running speculation is
+first rechecked (on fresh plain steps: "recheck"), then backed off from ("back-off").
 
     python benchmarks/backoff_trace.py --model M.gguf [--concurrency 1] [--device cuda]
 
@@ -37,25 +38,33 @@ def main() -> int:
     prompts = load_dataset("chat", args.prompts, 1, llm.model_config.vocab_size)
     policy, stats = llm.engine.speculative.policy, llm.engine.speculative.stats
     verdicts, where = [], {"run": "", "step": 0}
-    back_off, observe_step = policy.back_off, policy.observe_step
+    recheck, back_off, observe_step = policy.recheck, policy.back_off, policy.observe_step
 
-    def traced_back_off(requests: int) -> None:
+    def note(kind: str, requests: int) -> None:
         size = policy.at(requests)
         spec, plain = sorted(size.spec_scale.samples), sorted(size.plain_scale.samples)
         verdicts.append(
-            f"  {where['run']} step {where['step']}, {requests} requests: accepted "
+            f"  {kind}: {where['run']} step {where['step']}, {requests} requests: accepted "
             f"{policy.recent.accepted:.2f} ({policy.recent.optimistic_accepted():.2f}), "
             f"plain {1e3 * policy.plain_s(requests):.2f} ms, speculative "
             f"{1e3 * policy.spec_s(requests):.2f} ms; {len(plain)} plain / {len(spec)} "
             f"speculative times, slowest speculative {[round(x, 2) for x in spec[-3:]]}, "
             f"fastest plain {[round(x, 2) for x in plain[:3]]}")
+
+    def traced_recheck(requests: int) -> None:
+        note("recheck", requests)
+        recheck(requests)
+
+    def traced_back_off(requests: int) -> None:
+        note("back-off", requests)
         back_off(requests)
 
     def counted_step(speculative: bool, requests: int, seconds: float) -> None:
         where["step"] += 1
         observe_step(speculative, requests, seconds)
 
-    policy.back_off, policy.observe_step = traced_back_off, counted_step
+    policy.recheck, policy.back_off = traced_recheck, traced_back_off
+    policy.observe_step = counted_step
     for run in ("warm-up", "run 1", "run 2"):
         where["run"], where["step"] = run, 0
         before = dict(stats.budgets)

@@ -1,4 +1,4 @@
-"""Host time per decode step by function, two engines side by side (cProfile over the bench's
+"""Host time per engine step by function, two engines side by side (cProfile over the bench's
 offline loop, after a warm-up run of the same workload): where one engine's steps spend host
 time the other's do not. On a GPU the device runs asynchronously, so the host's time is what
 stalls it in launch-bound steps (a small model's decode).
@@ -8,8 +8,8 @@ stalls it in launch-bound steps (a small model's decode).
 
 Engines: `none`; `held-plain` (an adaptive DDTree engine whose policy never drafts: plain steps
 that keep the drafter's context); `fixed` and `adaptive` DDTree. Prints each engine's profiled
-host microseconds per decode step, then the functions whose time differs most (the second
-engine's minus the first's)."""
+host microseconds per engine step (prompt steps included), then the functions whose time per
+step differs most between the two, either way."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def engine(name: str, args: argparse.Namespace) -> LLM:
 
 
 def profile_steps(llm: LLM, prompts: list, args: argparse.Namespace) -> dict[str, float]:
-    """Profiled host seconds per engine step, by function (file:name)."""
+    """Profiled host seconds per engine step (prompt steps included), by function
+    (file:name)."""
     steps, engine_step = [0], llm.engine.step
 
     def counted():
@@ -83,9 +84,10 @@ def main() -> int:
     first, second = (profile_steps(llm, prompts, args) for llm in engines)
     for name, per_step in zip(names, (first, second)):
         print(f"{name}: {1e6 * sum(per_step.values()):.0f} us of profiled host time per step")
-    print(f"\nlargest differences per step (us): {names[1]} - {names[0]}, {names[1]} / {names[0]}")
+    print(f"\nlargest differences, us per step: {names[1]} minus {names[0]}, then "
+          f"{names[1]}'s and {names[0]}'s own")
     keys = set(first) | set(second)
-    for key in sorted(keys, key=lambda k: second.get(k, 0) - first.get(k, 0))[::-1][:args.top]:
+    for key in sorted(keys, key=lambda k: -abs(second.get(k, 0) - first.get(k, 0)))[:args.top]:
         a, b = first.get(key, 0.0), second.get(key, 0.0)
         print(f"  {1e6 * (b - a):8.1f}  {1e6 * b:8.1f} / {1e6 * a:8.1f}  {key}")
     return 0

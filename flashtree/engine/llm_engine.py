@@ -276,9 +276,11 @@ class LLMEngine:
         return [c.seq for c in sampling]
 
     def _row_leases(self, chunks: list[ScheduledChunk]) -> tuple[tuple[int, int], ...]:
-        """(page lease, rows) of each chunk's request, in row order."""
-        lease = self.pages.lease
-        return tuple((lease(c.seq.seq_id), c.count) for c in chunks)
+        """(page lease, rows) of each chunk's request, in row order (each holds pages: its
+        forward has just written them)."""
+        runs = tuple((self.pages.lease(c.seq.seq_id), c.count) for c in chunks)
+        assert all(lease is not None for lease, _ in runs), "a chunk's request holds no pages"
+        return runs
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int | None]:
         """One token per chunk (logits [len(chunks), vocab]), drawn for the whole batch at once;

@@ -142,8 +142,9 @@ class DFlashProposer:
 
     def _spare_freed(self, rows: list[ContextRows], slots: torch.Tensor) -> torch.Tensor:
         """`slots` ([sum of rows] in row order) with the scratch slot for every row noted
-        under a lease that has ended since; one device op for all of them, none when no
-        lease has ended (`spans` are looked up just now)."""
+        under a lease that has ended since: nothing but host ints looked at unless one of
+        their leases has ended, then one row mask and one device op (`spans` are looked up
+        just now)."""
         if not self._ended_leases or all(r.leases is None for r in rows):
             return slots
         stale, counts = [], []  # per run of rows

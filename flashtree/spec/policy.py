@@ -38,16 +38,18 @@ _CONFIDENCE = 1.5  # standard errors of benefit of the doubt (see optimistic_acc
 # The share by which the forecast must favour speculation for a batch size to start (or
 # resume) speculating: speculating costs more than its steps' times (the drafter's catch-up
 # after plain steps; requests that end apart, each end then stalling the batch for a prompt
-# step, where plain decoding's end together), and the forecast's inputs are noisy. Where the
-# forecast's gain is smaller, decoding plain gives up at most that much. Once speculating, a
-# batch size goes on while the forecast breaks even (no back-and-forth on noise).
+# step, where plain decoding's requests end together), and the forecast's inputs are noisy.
+# Where the forecast's gain is smaller, decoding plain gives up at most that much. Once
+# speculating, a batch size goes on while the forecast breaks even (no back-and-forth on
+# noise).
 _MARGIN = 0.05
 # Steps whose median measured/predicted ratio corrects the profile. The forecast is re-tested
-# every step: over a few steps, jitter in step times (10% on a GPU's host) crosses a margin of
-# a tenth often, and every crossing costs a back-off.
+# every step: over a few steps, jitter in step times (10% on a GPU's host) would cross a
+# threshold that speculation clears by a tenth often, and every crossing costs a back-off.
 _SCALE_SAMPLES = 32
 _PLAIN_PROBE = 64  # speculative steps in a row before one plain step re-measures plain decoding
-_TRUSTED_SAMPLES = 8  # steps of one kind from which a bucket's own step times are used
+_TRUSTED_PLAIN = 8  # plain steps from which a bucket's own plain step time is used; a
+# recheck (`SpecPolicy.recheck`) times as many
 _WARM_STEPS = 2  # speculative steps after plain ones whose times are not counted
 _PROBE_STEPS = _WARM_STEPS + 2  # a probe's speculative steps: two of them are timed
 
@@ -70,8 +72,10 @@ class CostModel:
     draft: tuple[tuple[int, float], ...]  # (requests drafting one block each, seconds)
     # Values already interpolated, by size: the policy asks for the same few sizes every step,
     # between two forwards (the device idles while the host works out the next step).
-    _target_memo: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
-    _draft_memo: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+    _target_memo: dict[int, float] = field(default_factory=dict, init=False, compare=False,
+                                           repr=False)
+    _draft_memo: dict[int, float] = field(default_factory=dict, init=False, compare=False,
+                                          repr=False)
 
     def target_s(self, tokens: int) -> float:
         seconds = self._target_memo.get(tokens)
@@ -229,8 +233,9 @@ class BatchSizeState:
     plain_steps_left: int = 0
     probe_steps_left: int = 0  # speculative steps the current or next probe still runs
     spec_steps: int = 0  # speculative steps since the last plain probe
-    # The last verdict was for speculation: it goes on while the forecast breaks even, where
-    # starting (or resuming after a back-off) takes a forecast gain of _MARGIN.
+    # Speculation runs here (the last verdict was for it, or a recheck of one against it is
+    # under way): it goes on while the forecast breaks even, where starting (or resuming
+    # after a back-off) takes a forecast gain of _MARGIN.
     speculating: bool = False
     rechecking: bool = False  # plain steps re-timed before a verdict against is final
 
@@ -310,8 +315,9 @@ class SpecPolicy:
             size.probe_steps_left = max(0, size.probe_steps_left - 1)
         elif self.forecast_pays(requests, 0.0 if size.speculating else self._margin()):
             size.backoff, size.speculating, size.rechecking = 0, True, False
-        elif size.speculating and not size.rechecking:
+        elif size.speculating and not size.rechecking and self.timed:
             self.recheck(requests)
+            size.plain_steps_left -= 1  # this step is the recheck's first
             return False
         else:
             size.speculating = size.rechecking = False
@@ -325,19 +331,21 @@ class SpecPolicy:
         """The forecast gain that starts speculation: _MARGIN once the acceptance average
         spans its whole window (1 / _RECENT_RATE steps); before, its own noise outweighs the
         biases the margin is for, and the optimistic bound deals with that noise."""
-        return _MARGIN if self.recent.steps * _RECENT_RATE >= 1 else 0.0
+        return _MARGIN if self.recent.steps >= round(1 / _RECENT_RATE) else 0.0
 
     def recheck(self, requests: int) -> None:
         """A first verdict against speculation while it runs at a batch of `requests`:
-        _MIN_BACKOFF plain steps, timed afresh, before the verdict is taken again. Its plain
-        step times are as old as its last plain steps (one every _PLAIN_PROBE speculative
-        ones) and its speculative ones recent: a machine that slowed down since (another
-        process, clocks) would otherwise look like speculation stopped paying, and a back-off
-        is long where a probe costs many plain steps."""
+        _TRUSTED_PLAIN plain steps, timed afresh (the bucket's older plain times are
+        dropped), before the verdict is taken again. Its plain step times are as old as its
+        last plain steps (one every _PLAIN_PROBE speculative ones) and its speculative ones
+        recent: a machine that slowed down since (another process, clocks) would otherwise
+        look like speculation stopped paying, and a back-off is long where a probe costs many
+        plain steps."""
         size = self.at(requests)
         size.rechecking = True
         size.plain_scale = StepScale()
-        size.plain_steps_left = _MIN_BACKOFF - 1  # this step is the first
+        size.plain_steps_left = _TRUSTED_PLAIN
+        size.spec_steps = 0  # these plain steps re-measure plain decoding
 
     def back_off(self, requests: int) -> None:
         """A verdict against speculation at a batch of `requests`: plain steps, doubling from
@@ -376,22 +384,26 @@ class SpecPolicy:
         return self.cost.draft_s(requests) + self.cost.target_s(verified)
 
     def plain_s(self, requests: int) -> float:
-        """Expected seconds of a plain decode step of `requests`."""
-        return self._factor(requests, _plain_scale) * self.cost.target_s(requests)
+        """Expected seconds of a plain decode step of `requests`: from _TRUSTED_PLAIN plain
+        steps of its bucket, or the nearest bucket's that has as many. A bucket that mostly
+        speculates times a plain step only every _PLAIN_PROBE speculative ones, and one old
+        step is a noisy basis for a verdict (where a probe's speculative steps are its own
+        bucket's best measure)."""
+        return (self._factor(requests, _plain_scale, _TRUSTED_PLAIN)
+                * self.cost.target_s(requests))
 
-    def _factor(self, requests: int, kind: Callable[[BatchSizeState], StepScale]) -> float:
+    def _factor(self, requests: int, kind: Callable[[BatchSizeState], StepScale],
+                trusted: int = 1) -> float:
         """Measured over profiled step time of one kind at this batch size: its bucket's once
-        it holds _TRUSTED_SAMPLES steps, else the nearest bucket's that does (else the nearest
-        measured one's; 1 before any is measured). A bucket that mostly speculates times a
-        plain step only every _PLAIN_PROBE speculative ones, and one step is a noisy basis for
-        a verdict."""
+        it holds `trusted` steps, else the nearest bucket's that does (else the nearest
+        measured one's; 1 before any is measured)."""
         bits = batch_bucket(requests).bit_length()
         nearest, nearest_key = None, None
         for bucket, size in self.sizes.items():
             scale = kind(size)
             if not scale.seen:
                 continue
-            key = (len(scale.samples) < _TRUSTED_SAMPLES, abs(bucket.bit_length() - bits), bucket)
+            key = (len(scale.samples) < trusted, abs(bucket.bit_length() - bits), bucket)
             if nearest_key is None or key < nearest_key:
                 nearest, nearest_key = scale, key
         return 1.0 if nearest is None else nearest.factor
@@ -438,6 +450,8 @@ class SpecPolicy:
         """Drafted trees' raw gains per level (seq_id -> the sums of its best nodes' path
         probabilities), for the requests' next choices; their mean enters the recent
         average with the weight it would have gained one tree at a time."""
+        if not reach:
+            return
         self.reach.update(reach)
         n, rows = len(reach), list(reach.values())
         mean = rows[0] if n == 1 else [sum(column) / n for column in zip(*rows)]

@@ -20,7 +20,7 @@ from flashtree.spec.policy import (
     _MIN_BACKOFF,
     _PROBE_STEPS,
     _RECENT_RATE,
-    _TRUSTED_SAMPLES,
+    _TRUSTED_PLAIN,
     _WARM_STEPS,
     CostModel,
     SpecPolicy,
@@ -126,8 +126,7 @@ def test_a_verdict_against_speculation_backs_off_doubling_between_probes():
     """Where measured steps say drafting does not pay, the step runs plain and a back-off of
     plain steps follows, doubling up to 1024 while verdicts keep coming, each followed by a
     probe of _PROBE_STEPS speculative steps (whatever the forecast says: their times are what
-    the next verdict is judged by); once speculation pays by more than _MARGIN, the back-off
-    is over."""
+    the next verdict is judged by); once speculation pays, the back-off is over."""
     policy = SpecPolicy(_cost(per_token=1e-3, draft=0.05), LEVELS)
     _speculated(policy, requests=1, verified=4.0, accepted=0.02)  # a probe costs 1.2 plain steps
     runs, drafting = [], None
@@ -140,9 +139,7 @@ def test_a_verdict_against_speculation_backs_off_doubling_between_probes():
         drafting = step
     assert runs[0::2][:10] == [8, 16, 32, 64, 128, 256, 512, 1024, 1024, 1024]
     assert set(runs[1::2][:9]) == {_PROBE_STEPS}
-    policy.cost = _cost(per_token=1e-6, draft=0.0)  # drafting and verifying are free now,
-    for _ in range(5):  # and half of the steps accept a draft: speculation pays by a half
-        policy.observe_speculation(1, 4.0, 1.0)
+    policy.cost = _cost(per_token=1e-6, draft=0.0)  # drafting and verifying are free now
     while not policy.should_draft(1):  # the back-off under way, then the probe
         pass
     for _ in range(_PROBE_STEPS + 10):
@@ -483,7 +480,7 @@ def _forecast_gain(policy: SpecPolicy, requests: int, gain: float) -> None:
         policy.observe_speculation(requests, 8.0 * requests, (gain * spec / plain - 1) * requests)
     policy.observe_step(False, requests, plain)
     policy.predicted_s = spec
-    for _ in range(_WARM_STEPS + _TRUSTED_SAMPLES):
+    for _ in range(_WARM_STEPS + 3):
         policy.observe_step(True, requests, spec)
 
 
@@ -532,16 +529,17 @@ def test_speculation_starts_on_a_clear_gain_and_goes_on_while_it_breaks_even():
     _plain_steps_at(policy, 4, 0.97 / 1.08)  # and now a 3% loss: plain, then probes
     runs = _runs(_decode(policy, 4, 600, plain_factor=0.97 / 1.08, spec_factor=1.0))
     assert runs[0][0] is False and runs[0][1] > _MIN_BACKOFF
-    assert max(n for speculated, n in runs if speculated) == _PROBE_STEPS  # a window may
+    assert max(n for speculated, n in runs if speculated) == _PROBE_STEPS
     _plain_steps_at(policy, 4, 1.03 / 1.08)  # back to a 3% gain: not enough to resume
     runs = _runs(_decode(policy, 4, 1000, plain_factor=1.03 / 1.08, spec_factor=1.0))
-    assert max(n for speculated, n in runs if speculated) == _PROBE_STEPS  # cut a probe
+    # (the longest run: a window of steps can cut a probe short)
+    assert max(n for speculated, n in runs if speculated) == _PROBE_STEPS
 
 
 def test_a_verdict_against_running_speculation_is_rechecked_on_fresh_plain_steps():
     """Plain steps are timed once every _PLAIN_PROBE speculative ones: when the whole
     machine slows down by a fifth, speculative steps show it first, and the forecast turns
-    against speculation. The verdict is taken again after _MIN_BACKOFF plain steps timed
+    against speculation. The verdict is taken again after _TRUSTED_PLAIN plain steps timed
     afresh, and speculation resumes; where speculative steps alone slowed down, the
     back-off follows."""
     for plain_factor, resumes in ((1.2, True), (1.0, False)):
@@ -551,25 +549,46 @@ def test_a_verdict_against_running_speculation_is_rechecked_on_fresh_plain_steps
         runs = _runs(_decode(policy, 4, 60, plain_factor=plain_factor, spec_factor=1.2))
         assert runs[0][0] is True and runs[1][0] is False
         if resumes:
-            assert runs[1][1] == _MIN_BACKOFF and runs[2][0] is True
+            assert runs[1][1] == _TRUSTED_PLAIN and runs[2][0] is True
             assert all(n == 1 for speculated, n in runs[2:] if not speculated)  # re-timing
         else:
-            assert runs[1][1] > _MIN_BACKOFF
+            assert runs[1][1] > _TRUSTED_PLAIN
 
 
 def test_a_bucket_with_few_plain_steps_borrows_the_nearest_well_measured_times():
     """A bucket that speculates times a plain step only every so often: until it has
-    _TRUSTED_SAMPLES of them, its plain step time is the nearest well-measured bucket's,
-    not one step's (here a slow one)."""
+    _TRUSTED_PLAIN of them, its plain step time is the nearest well-measured bucket's, not
+    one step's (here a slow one). Speculative times are a probe's own bucket's from its
+    first timed step."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     _plain_steps_at(policy, 16, 1.0)
     _plain_steps_at(policy, 1, 1.2)
     policy.observe_step(False, 8, 1.5 * policy.cost.target_s(8))
     assert policy.plain_s(8) == pytest.approx(policy.cost.target_s(8))  # 16's, the nearest
     assert policy.plain_s(4) == pytest.approx(1.2 * policy.cost.target_s(4))  # 1's: 4 is as
-    for _ in range(_TRUSTED_SAMPLES - 1):  # near to 1 as to 16, and the smaller wins ties
+    for _ in range(_TRUSTED_PLAIN - 1):  # near to 1 as to 16, and the smaller wins ties
         policy.observe_step(False, 8, 1.5 * policy.cost.target_s(8))
     assert policy.plain_s(8) == pytest.approx(1.5 * policy.cost.target_s(8))
+    _speculated(policy, requests=1, verified=8.0, accepted=1.0, steps=20)
+    _speculated(policy, requests=64, verified=8.0, accepted=1.0, time_factor=3.0,
+                steps=_PROBE_STEPS)  # a probe: two timed steps
+    assert policy.spec_s(64) == pytest.approx(3.0 * policy.spec_profile_s(64))
+
+
+def test_recent_reach_weighs_a_step_of_several_trees_as_one_tree_at_a_time():
+    """A step's trees enter the recent-reach average (a new request's expected gains) as
+    their mean, with the weight they would have had one by one; a step without trees leaves
+    it as it was."""
+    policy = SpecPolicy(_cost(per_token=0.05, base=1.0, draft=0.2), LEVELS)
+    low, high = _chain_gains(0.1), _chain_gains(0.9)
+    policy.note_reach({1: low})
+    policy.note_reach({2: high, 3: high, 4: low})
+    weight = 1 - (1 - _RECENT_RATE) ** 3
+    expected = [a + weight * ((2 * b + a) / 3 - a) for a, b in zip(low, high)]
+    assert policy.expected_gains(9) == pytest.approx(expected)
+    policy.note_reach({})
+    assert policy.expected_gains(9) == pytest.approx(expected)
+    assert policy.expected_gains(2) == high and policy.expected_gains(4) == low
 
 
 def test_trees_are_chosen_from_each_requests_last_tree_before_drafting():
