@@ -94,6 +94,12 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
     engine_step, flush = eng.step, eng.proposer.flush if eng.proposer else None
     flushes = [0.0, 0]
     prefills = [0.0, 0]  # seconds, steps with a prompt chunk
+    schedule, scheduled = eng.scheduler.schedule, {"prompt": False}
+
+    def timed_schedule():  # what the step runs, as the scheduler decided it
+        chunks = schedule()
+        scheduled["prompt"] = any(not c.decode for c in chunks)
+        return chunks
     stats = eng.speculative.stats if eng.speculative else None
 
     def step():
@@ -103,13 +109,11 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
         accepted = stats.num_accepted_tokens if stats else 0
         budgets, flushed = dict(stats.budgets) if stats else {}, flushes[0]
         requests = len(eng.scheduler.running) + len(eng.scheduler.waiting)
-        prefilling = bool(eng.scheduler.waiting) or any(
-            s.num_uncomputed > 1 for s in eng.scheduler.running)
         start = time.perf_counter()
         out = engine_step()
         seconds = time.perf_counter() - start
         steps.append((seconds, stats.num_drafts if stats else 0))
-        if prefilling:
+        if scheduled["prompt"]:
             prefills[0] += seconds
             prefills[1] += 1
         chosen = {b: n - budgets.get(b, 0) for b, n in sorted(stats.budgets.items())
@@ -129,14 +133,14 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
 
     policy = eng.speculative.policy if eng.speculative else None
     by_bucket = watch_policy(policy) if policy is not None and decided is None else None
-    eng.step = step
+    eng.step, eng.scheduler.schedule = step, timed_schedule
     if flush is not None:
         eng.proposer.flush = timed_flush
     gc_clock.seconds, gc_clock.full = 0.0, 0
     accepted_before = stats.num_accepted_tokens if stats else 0
     records, wall = run_offline(llm, prompts, args.concurrency, args.max_tokens)
     accepted = (stats.num_accepted_tokens - accepted_before) if stats else 0
-    del eng.step
+    del eng.step, eng.scheduler.schedule
     if flush is not None:
         del eng.proposer.flush
     if by_bucket is not None:

@@ -78,17 +78,18 @@ class CostModel:
                                           repr=False)
 
     def target_s(self, tokens: int) -> float:
-        seconds = self._target_memo.get(tokens)
-        if seconds is None:
-            seconds = self._target_memo[tokens] = _interpolate(self.target, tokens)
-        return seconds
+        return _memoized(self._target_memo, self.target, tokens)
 
     def draft_s(self, requests: int) -> float:
-        seconds = self._draft_memo.get(requests)
-        if seconds is None:
-            seconds = self._draft_memo[requests] = (
-                _interpolate(self.draft, requests) if requests else 0.0)
-        return seconds
+        return _memoized(self._draft_memo, self.draft, requests) if requests else 0.0
+
+
+def _memoized(memo: dict[int, float], points: tuple[tuple[int, float], ...], x: int) -> float:
+    """_interpolate(points, x), computed once per x."""
+    seconds = memo.get(x)
+    if seconds is None:
+        seconds = memo[x] = _interpolate(points, x)
+    return seconds
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], x: int) -> float:
