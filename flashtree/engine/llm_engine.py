@@ -260,9 +260,12 @@ class LLMEngine:
         if self.proposer is not None and features is not None:
             # The rows' positions and slots are the target batch's (the caches share pages).
             batch = self.runner.last_batch
+            leases = self.pages.leases([c.seq.seq_id for c in chunks])
+            assert None not in leases, "a chunk's request holds no pages (its forward wrote them)"
             self.proposer.defer(ContextRows(
                 features, positions=batch.positions, slots=batch.attn.slot_mapping,
-                leases=self._row_leases(chunks)))
+                leases=leases, counts=None if mode == Mode.DECODE else tuple(
+                    c.count for c in chunks)))
         if not sampling:
             tokens = []
         elif all_greedy:  # one device sync for the batch
@@ -274,13 +277,6 @@ class LLMEngine:
                 with self._isolated(c.seq):
                     self._append(c.seq, [token], record=c.decode)
         return [c.seq for c in sampling]
-
-    def _row_leases(self, chunks: list[ScheduledChunk]) -> tuple[tuple[int, int], ...]:
-        """(page lease, rows) of each chunk's request, in row order (each holds pages: its
-        forward has just written them)."""
-        runs = tuple((self.pages.lease(c.seq.seq_id), c.count) for c in chunks)
-        assert all(lease is not None for lease, _ in runs), "a chunk's request holds no pages"
-        return runs
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int | None]:
         """One token per chunk (logits [len(chunks), vocab]), drawn for the whole batch at once;

@@ -130,6 +130,10 @@ class PageTables:
         read from its table stay its own exactly while this number stays the same."""
         return self._leases.get(seq_id)
 
+    def leases(self, seq_ids: list[int]) -> tuple[int | None, ...]:
+        """`lease` of each of `seq_ids`."""
+        return tuple(map(self._leases.get, seq_ids))
+
     def watch_ended_leases(self) -> set[int]:
         """A set that gets every lease that ends from now on (its sequence freed); its one
         reader empties it when the leases in it no longer matter."""

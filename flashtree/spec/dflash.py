@@ -6,7 +6,9 @@ own K/V as scratch past the committed length; the next context injection overwri
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -39,10 +41,18 @@ class ContextRows:
     spans: tuple[tuple[int, int, int], ...] = ()
     positions: torch.Tensor | None = None  # [rows] int64
     slots: torch.Tensor | None = None  # [rows] int64
-    # (lease, rows) per request, in row order: host ints only, as plain steps make one each
-    # (a host tensor op per step costs more than the step's other host work, where threads
-    # wake up for it) and they are looked at only when a lease has ended.
-    leases: tuple[tuple[int, int], ...] | None = None
+    # Per request, in row order, its lease and (None: one row each, a decode step's) its rows:
+    # host ints only, as plain steps make them every step (a host tensor op per step costs
+    # more than the step's other host work, where threads wake up for it), looked at only
+    # when a lease has ended.
+    leases: tuple[int, ...] | None = None
+    counts: tuple[int, ...] | None = None
+
+    def run_rows(self) -> tuple[int, ...]:
+        """Rows per run (a request's rows; `spans` rows are one run)."""
+        if self.leases is None:
+            return (self.features.shape[0],)
+        return self.counts if self.counts is not None else (1,) * len(self.leases)
 
 
 class DFlashProposer:
@@ -142,20 +152,20 @@ class DFlashProposer:
 
     def _spare_freed(self, rows: list[ContextRows], slots: torch.Tensor) -> torch.Tensor:
         """`slots` ([sum of rows] in row order) with the scratch slot for every row noted
-        under a lease that has ended since: nothing but host ints looked at unless one of
-        their leases has ended, then one row mask and one device op (`spans` are looked up
-        just now)."""
-        if not self._ended_leases or all(r.leases is None for r in rows):
+        under a lease that has ended since: nothing looked at unless one of their leases has
+        ended, then one pass over the runs' leases, a row mask built from bytes and one device
+        op (`spans` are looked up just now: their runs never go stale)."""
+        ended = self._ended_leases
+        if not ended or all(r.leases is None for r in rows):
             return slots
-        stale, counts = [], []  # per run of rows
-        for r in rows:
-            runs = r.leases if r.leases is not None else ((None, r.features.shape[0]),)
-            for lease, count in runs:
-                stale.append(lease in self._ended_leases)
-                counts.append(count)
+        stale = [lease in ended for lease in chain.from_iterable(
+            r.leases if r.leases is not None else (None,) for r in rows)]  # per run
         if not any(stale):
             return slots
-        mask = torch.tensor(stale).repeat_interleave(torch.tensor(counts))
+        mask = torch.frombuffer(bytearray(stale), dtype=torch.bool)
+        if any(r.counts is not None or r.leases is None for r in rows):  # runs of many rows
+            counts = array("q", chain.from_iterable(r.run_rows() for r in rows))
+            mask = mask.repeat_interleave(torch.frombuffer(counts, dtype=torch.int64))
         return torch.where(mask.to(self.device), self.pages.scratch_slot, slots)
 
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor,

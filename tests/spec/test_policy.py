@@ -631,8 +631,10 @@ def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, m
         positions = [i for _, start, count in spans for i in range(start, start + count)]
         slots = [v for seq_id, start, count in spans for v in pages.slots(seq_id, start, count)]
         return ContextRows(torch.ones(len(positions), width), positions=torch.tensor(positions),
-                           slots=torch.tensor(slots), leases=tuple(
-                               (pages.lease(seq_id), count) for seq_id, _, count in spans))
+                           slots=torch.tensor(slots),
+                           leases=pages.leases([seq_id for seq_id, _, _ in spans]),
+                           counts=(None if all(count == 1 for *_, count in spans)  # decode
+                                   else tuple(count for *_, count in spans)))
 
     for seq_id in (5, 6, 7):
         pages.reserve(seq_id, 8)
@@ -659,6 +661,10 @@ def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, m
     assert len(written) == 1
     proposer.defer(rows([(5, 3, 1), (7, 0, 1)]))
     assert written[1] == ([0, 1, 2, 3, 0], pages.slots(5, 0, 4) + pages.slots(7, 0, 1))
+    proposer.defer(rows([(5, 3, 1), (7, 0, 1)]))  # a decode step's rows: one per request
+    pages.free(7)
+    proposer.flush()
+    assert written[2] == ([3, 0], pages.slots(5, 3, 1) + [scratch])
 
 
 @torch.inference_mode()
