@@ -38,7 +38,9 @@ def engine(variant: str, args: argparse.Namespace) -> LLM:
         return LLM(**kw)
     llm = LLM(draft=str(DEFAULT_DRAFTER_DIR), spec="ddtree", **kw)
     e = llm.engine
-    if "nofeat" in variant and e.runner.graphs is not None:  # decode graphs without features
+    if "nofeat" in variant:  # decode graphs again, without feature outputs
+        if e.runner.graphs is None:
+            raise SystemExit(f"{variant}: needs captured graphs (CUDA, not enforce_eager)")
         e.runner.graphs.forward = TargetForward(e.runner.model, e.runner.backend, ())
         e.runner.graphs.capture(GraphMode.DECODE, 1, max(8192, args.concurrency))
     if "notime" in variant:
