@@ -102,7 +102,7 @@ class PageTables:
     @property
     def scratch_slot(self) -> int:
         """The first slot of the spare page past the pool (the caches allocate num_pages + 1):
-        padded rows of captured graphs, and rows of finished requests, write there."""
+        padded rows of captured graphs write there."""
         return self.num_pages * self.page_size
 
     def table(self, seq_id: int) -> list[int]:

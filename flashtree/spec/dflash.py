@@ -35,7 +35,8 @@ class ContextRows:
     or the rows' own device `positions` and `slots` (a plain step's: the target batch's) with
     the `leases` of their requests' page allocations then (`PageTables.lease`): the slots stay
     the request's while that lease lasts; rows whose lease has ended since (the request
-    finished, or was preempted) go to the spare page, as their slots may be another's."""
+    finished, or was preempted) are dropped, as their slots may be another's by then and
+    nothing reads them (a recompute injects its own)."""
 
     features: torch.Tensor  # [rows, len(target_layer_ids) * hidden]
     spans: tuple[tuple[int, int, int], ...] = ()
@@ -109,6 +110,11 @@ class DFlashProposer:
                        torch.full((rows,), dims.scratch_slot, device=self.device))
         self._context_writer = writer
 
+    @property
+    def deferred_rows(self) -> int:
+        """Context rows waiting for the next flush."""
+        return self._deferred_rows
+
     def defer(self, rows: ContextRows) -> None:
         """Keep rows for the next flush (past _MAX_DEFERRED_ROWS, inject them all now)."""
         self._deferred.append(rows)
@@ -124,15 +130,21 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def inject(self, rows: list[ContextRows]) -> None:
-        """Write context K/V of committed tokens to the draft cache, all `rows` in one batch;
-        rows of requests freed since they were noted go to the scratch slot (a recompute
-        injects its own)."""
+        """Write context K/V of committed tokens to the draft cache, all `rows` in one batch,
+        but rows of requests freed since they were noted: while the policy decodes plain,
+        most deferred rows can be finished requests', and their K/V would cost a drafter
+        forward each (on a CPU, ~1 s for 16384 rows) for nothing."""
         if not rows:
             return
         placed = [self._placement(r) for r in rows]
         features, positions, slots = (torch.cat(t) if len(rows) > 1 else t[0] for t in
                                       ([r.features for r in rows], *zip(*placed)))
-        slots = self._spare_freed(rows, slots)
+        live = self._live_rows(rows)
+        if live is not None:
+            if live.numel() == 0:
+                return
+            index = live.to(self.device)
+            features, positions, slots = features[index], positions[index], slots[index]
         if self._context_writer is not None:
             self._context_writer(features, positions, slots)
         else:
@@ -150,23 +162,23 @@ class DFlashProposer:
         position_t, slot_t = lists_to_device([positions, slots], self.device)
         return position_t, slot_t
 
-    def _spare_freed(self, rows: list[ContextRows], slots: torch.Tensor) -> torch.Tensor:
-        """`slots` ([sum of rows] in row order) with the scratch slot for every row noted
-        under a lease that has ended since: nothing looked at unless one of their leases has
-        ended, then one pass over the runs' leases, a row mask built from bytes and one device
-        op (`spans` are looked up just now: their runs never go stale)."""
+    def _live_rows(self, rows: list[ContextRows]) -> torch.Tensor | None:
+        """Indices (host int64, in row order) of the rows of `rows` not noted under a lease
+        that has ended since, or None for all of them: nothing looked at unless one of their
+        leases has ended, then one pass over the runs' leases and a row mask built from bytes
+        (`spans` are looked up just now: their runs never go stale)."""
         ended = self._ended_leases
         if not ended or all(r.leases is None for r in rows):
-            return slots
+            return None
         stale = [lease in ended for lease in chain.from_iterable(
             r.leases if r.leases is not None else (None,) for r in rows)]  # per run
         if not any(stale):
-            return slots
+            return None
         mask = torch.frombuffer(bytearray(stale), dtype=torch.bool)
         if any(r.counts is not None or r.leases is None for r in rows):  # runs of many rows
             counts = array("q", chain.from_iterable(r.run_rows() for r in rows))
             mask = mask.repeat_interleave(torch.frombuffer(counts, dtype=torch.int64))
-        return torch.where(mask.to(self.device), self.pages.scratch_slot, slots)
+        return torch.nonzero(~mask).squeeze(1)
 
     def _write_context(self, features: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor) -> tuple[()]:

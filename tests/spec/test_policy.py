@@ -615,8 +615,8 @@ def test_trees_are_chosen_from_each_requests_last_tree_before_drafting():
 def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, monkeypatch):
     """A plain step's context rows wait for the next draft with the target batch's own slots.
     Freeing pages injects nothing; at the flush, rows of a request freed since (finished, or
-    preempted and given new pages) go to the spare page, as their slots may be another's by
-    then, and every other row to its slot, each once. Held rows stay bounded."""
+    preempted and given new pages) are dropped, as their slots may be another's by then, and
+    every other row goes to its slot, each once. Held rows stay bounded."""
     from flashtree.spec import dflash
     from flashtree.spec.dflash import ContextRows
 
@@ -626,7 +626,6 @@ def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, m
               skip_tokenizer_init=True, page_size=4)
     proposer, pages = llm.engine.proposer, llm.engine.pages
     width = proposer.draft.fc.in_features  # len(target_layer_ids) * hidden
-    scratch = pages.num_pages * pages.page_size
 
     def rows(spans: list[tuple[int, int, int]]) -> ContextRows:  # (seq_id, start, count)
         positions = [i for _, start, count in spans for i in range(start, start + count)]
@@ -652,9 +651,7 @@ def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, m
     proposer.defer(rows([(5, 3, 1), (7, 0, 1)]))
     assert written == []  # freeing pages injects nothing
     proposer.flush()
-    assert written == [([0, 1, 2, 0, 1, 0, 3, 0],
-                        old_slots[5][:3] + [scratch] * 3 + [old_slots[5][3]]
-                        + pages.slots(7, 0, 1))]
+    assert written == [([0, 1, 2, 3, 0], old_slots[5] + pages.slots(7, 0, 1))]
     proposer.flush()
     assert len(written) == 1  # nothing is injected twice
     monkeypatch.setattr(dflash, "_MAX_DEFERRED_ROWS", 4)
@@ -665,7 +662,11 @@ def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, m
     proposer.defer(rows([(5, 3, 1), (7, 0, 1)]))  # a decode step's rows: one per request
     pages.free(7)
     proposer.flush()
-    assert written[2] == ([3, 0], pages.slots(5, 3, 1) + [scratch])
+    assert written[2] == ([3], pages.slots(5, 3, 1))
+    proposer.defer(rows([(5, 0, 4)]))
+    pages.free(5)
+    proposer.flush()
+    assert len(written) == 3  # every row stale: no drafter forward at all
 
 
 @torch.inference_mode()
