@@ -14,7 +14,11 @@ import torch
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long
               ) -> torch.Tensor:
     """A tensor of `values` on `device`, copied without a device sync."""
-    host = torch.tensor(values, dtype=dtype)
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`, made without a device sync."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

@@ -21,7 +21,7 @@ from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
-from flashtree.transfer import lists_to_device, to_device
+from flashtree.transfer import host_to_device, lists_to_device, to_device
 
 _GRAPH_CONTEXT_ROWS = 2048  # context rows per injection that replay a captured graph at most
 _MAX_DEFERRED_ROWS = 16384  # rows held for the next draft before injecting them anyway
@@ -143,7 +143,7 @@ class DFlashProposer:
         if live is not None:
             if live.numel() == 0:
                 return
-            index = live.to(self.device)
+            index = host_to_device(live, self.device)
             features, positions, slots = features[index], positions[index], slots[index]
         if self._context_writer is not None:
             self._context_writer(features, positions, slots)
