@@ -257,8 +257,9 @@ class SpecPolicy:
     Whether a step drafts at all is judged by measured steps (the forecast), per bucket of
     batch sizes: a verdict against speculation is only as good as the speculative steps timed
     before it, so speculation is judged after probes, runs of _PROBE_STEPS speculative steps,
-    the first _WARM_STEPS untimed. The first steps are one (when steps are timed; a bucket not
-    measured yet borrows the nearest one's step times), and one follows every back-off: the
+    the first _WARM_STEPS untimed. A bucket's first steps time its own plain steps, the
+    first speculative ones are a probe (when steps are timed; a bucket not measured yet
+    borrows the nearest one's speculative step times), and one follows every back-off: the
     plain steps after a verdict against speculation, doubling while verdicts keep coming.
     A probe measures speculation without using it: its steps commit one token per request, as
     plain steps would. Were they to commit their accepted drafts, the requests they speed up
@@ -296,7 +297,8 @@ class SpecPolicy:
     def should_draft(self, requests: int) -> bool:
         """False (the step runs plain) during a back-off, and where the forecast from recent
         speculative steps (their accepted and verified drafts and measured step times, at this
-        batch size) says a draft cannot pay for itself: a verdict, before drafting. Once
+        batch size) says a draft cannot pay for itself: a verdict, before drafting. A bucket
+        times _TRUSTED_PLAIN plain steps of its own before its first verdict; once
         speculative steps are being measured, plain steps are too: one before the first
         comparison and one every _PLAIN_PROBE speculative steps. Probes speculate without
         asking the forecast, and commit what a plain step would (`probing`). Starting to
@@ -305,6 +307,8 @@ class SpecPolicy:
         size = self.at(requests)
         if size.plain_steps_left > 0:
             size.plain_steps_left -= 1
+            return False
+        if self._unmeasured_plain(size):
             return False
         if size.spec_scale.seen and (not size.plain_scale.seen
                                      or size.spec_steps >= _PLAIN_PROBE):
@@ -327,6 +331,16 @@ class SpecPolicy:
             return False
         size.spec_steps += 1
         return True
+
+    def _unmeasured_plain(self, size: BatchSizeState) -> bool:
+        """Whether a bucket that has not speculated yet still times its own plain steps
+        before its first verdict (_TRUSTED_PLAIN of them; they cost what `none`'s steps do).
+        Borrowed plain times mislead most here: a smaller bucket's overstate this one's (host
+        work weighs more in small steps), so speculation looked like it paid where it lost,
+        and a bucket's first speculative run went on until its own times showed otherwise
+        (~15 steps at 16 requests on the GPU, a seventh of a benchmark run's time)."""
+        return (self.timed and not size.spec_scale.seen and size.probe_steps_left == 0
+                and len(size.plain_scale.samples) < _TRUSTED_PLAIN)
 
     def _margin(self) -> float:
         """The forecast gain that starts speculation: _MARGIN once the acceptance average

@@ -426,8 +426,12 @@ def test_forecast_skips_drafting_where_recent_steps_did_not_pay():
     costs more than they commit runs plain without drafting (no costly probe): a back-off,
     and a probe after it; a small batch still drafts."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
-    assert policy.should_draft(256)  # nothing measured yet: probe
+    for _ in range(_TRUSTED_PLAIN):  # a bucket's own plain steps come first
+        assert not policy.should_draft(256)
+        policy.observe_step(False, 256, policy.cost.target_s(256))
+    assert policy.should_draft(256)  # no speculative step measured yet: a probe
     _speculated(policy, requests=8, verified=4.0, accepted=1.0, time_factor=1.2)
+    _plain_steps_at(policy, 1, 1.0)
     assert policy.forecast_pays(1) and not policy.forecast_pays(256)
     assert policy.should_draft(1)
     plain = 0
@@ -574,6 +578,28 @@ def test_a_bucket_with_few_plain_steps_borrows_the_nearest_well_measured_times()
     _speculated(policy, requests=64, verified=8.0, accepted=1.0, time_factor=3.0,
                 steps=_PROBE_STEPS)  # a probe: two timed steps
     assert policy.spec_s(64) == pytest.approx(3.0 * policy.spec_profile_s(64))
+
+
+def test_a_new_bucket_times_its_own_plain_steps_before_its_first_verdict():
+    """Plain steps of 4 requests take 1.5x their profile (host work weighs more in small
+    steps), those of 16 their profile, and speculation at 16 would lose 5%. Judged on 4's
+    plain times, speculation would start at 16; 16 first times _TRUSTED_PLAIN plain steps of
+    its own, and its verdict on them is against speculation: no speculative step until the
+    probe after the back-off."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    cost = policy.cost
+
+    def spec_over_plain(requests: int) -> float:  # 8 drafts verified per request
+        return (cost.draft_s(requests) + cost.target_s(9 * requests)) / cost.target_s(requests)
+
+    _forecast_gain(policy, requests=4, gain=0.95 * spec_over_plain(16) / spec_over_plain(4))
+    _plain_steps_at(policy, 4, 1.5)
+    assert policy.forecast_pays(16, _MARGIN) and not policy.at(16).plain_scale.seen
+    drafted = _decode(policy, 16, 300, plain_factor=1.0, spec_factor=1.0)
+    assert not policy.forecast_pays(16)
+    first = drafted.index(True)  # the probe's first step
+    assert first > _TRUSTED_PLAIN + _MIN_BACKOFF
+    assert _runs(drafted[first:])[0] == (True, _PROBE_STEPS)
 
 
 def test_recent_reach_weighs_a_step_of_several_trees_as_one_tree_at_a_time():
