@@ -306,6 +306,8 @@ class SpecPolicy:
         against running speculation is taken again on fresh plain steps (`recheck`)."""
         size = self.at(requests)
         if size.plain_steps_left > 0:
+            if size.plain_steps_left == _TRUSTED_PLAIN and size.probe_steps_left > 0:
+                size.plain_scale = StepScale()  # a back-off's last steps re-time plain decoding
             size.plain_steps_left -= 1
             return False
         if self._unmeasured_plain(size):
@@ -368,7 +370,12 @@ class SpecPolicy:
         the probe's extra time is at most _PROBE_SHARE of theirs (where a speculative step
         costs many plain ones, as with wide batches on a CPU, a probe is rare). A probe's cost
         is judged by the cheapest recent speculative step: cold ones would hold off the probes
-        that show them to have been cold."""
+        that show them to have been cold. The back-off's last _TRUSTED_PLAIN steps re-time
+        plain decoding (the bucket's older plain times are dropped), so that the verdict after
+        the probe compares steps of one time: plain times from before a back-off can be a
+        slower machine's (a GPU's first seconds, another process), and such times at 16
+        requests on the GPU made speculation look like it paid a fifth where it lost up to
+        7%."""
         samples = self.at(requests).spec_scale.samples
         cheapest = (min(samples) if samples else self._factor(requests, _spec_scale)
                     ) * self.spec_profile_s(requests)
@@ -378,6 +385,8 @@ class SpecPolicy:
                            math.ceil(probe_extra / _PROBE_SHARE))
         size.plain_steps_left = size.backoff
         size.probe_steps_left = _PROBE_STEPS
+        if size.backoff <= _TRUSTED_PLAIN:  # all of it is re-timed, the verdict's step first
+            size.plain_scale = StepScale()
 
     def forecast_pays(self, requests: int, margin: float = 0.0) -> bool:
         """Whether a speculative step of `requests` is expected to commit tokens faster than

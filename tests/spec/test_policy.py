@@ -67,6 +67,15 @@ def _speculated(policy: SpecPolicy, requests: int, verified: float, accepted: fl
         policy.observe_step(True, requests, time_factor * policy.predicted_s)
 
 
+def _should_draft_timing_plain(policy: SpecPolicy, requests: int) -> bool:
+    """policy.should_draft, a plain step then timed at its profile (as the engine times it:
+    a back-off's last steps re-time plain decoding before its probe)."""
+    if policy.should_draft(requests):
+        return True
+    policy.observe_step(False, requests, policy.cost.target_s(requests))
+    return False
+
+
 def test_expensive_verify_and_low_acceptance_choose_plain_decoding():
     """Budget 0 for every request, undrafted, once speculative steps have been measured:
     verifying costs more than the few accepted drafts give. Were the step drafted, the choice
@@ -131,7 +140,7 @@ def test_a_verdict_against_speculation_backs_off_doubling_between_probes():
     _speculated(policy, requests=1, verified=4.0, accepted=0.02)  # a probe costs 1.2 plain steps
     runs, drafting = [], None
     for _ in range(4200):
-        step = policy.should_draft(1)
+        step = _should_draft_timing_plain(policy, 1)
         if step == drafting:
             runs[-1] += 1
         else:
@@ -140,7 +149,7 @@ def test_a_verdict_against_speculation_backs_off_doubling_between_probes():
     assert runs[0::2][:10] == [8, 16, 32, 64, 128, 256, 512, 1024, 1024, 1024]
     assert set(runs[1::2][:9]) == {_PROBE_STEPS}
     policy.cost = _cost(per_token=1e-6, draft=0.0)  # drafting and verifying are free now
-    while not policy.should_draft(1):  # the back-off under way, then the probe
+    while not _should_draft_timing_plain(policy, 1):  # the back-off under way, then the probe
         pass
     for _ in range(_PROBE_STEPS + 10):
         assert policy.should_draft(1)
@@ -156,7 +165,7 @@ def test_probes_are_rare_where_a_speculative_step_costs_many_plain_ones():
     ratio = policy.spec_s(64) / policy.plain_s(64)
     assert ratio == pytest.approx((500 + 192) / 64)
     plain = 0
-    while not policy.should_draft(64):
+    while not _should_draft_timing_plain(policy, 64):
         plain += 1
     assert plain > _MAX_BACKOFF
     assert _PROBE_STEPS * (ratio - 1) <= plain / 32 < _PROBE_STEPS * (ratio - 1) + 1 / 32
@@ -435,7 +444,7 @@ def test_forecast_skips_drafting_where_recent_steps_did_not_pay():
     assert policy.forecast_pays(1) and not policy.forecast_pays(256)
     assert policy.should_draft(1)
     plain = 0
-    while not policy.should_draft(256):
+    while not _should_draft_timing_plain(policy, 256):
         plain += 1
     assert plain == policy.at(256).backoff >= _MIN_BACKOFF
     assert policy.at(256).probe_steps_left == _PROBE_STEPS - 1
@@ -600,6 +609,26 @@ def test_a_new_bucket_times_its_own_plain_steps_before_its_first_verdict():
     first = drafted.index(True)  # the probe's first step
     assert first > _TRUSTED_PLAIN + _MIN_BACKOFF
     assert _runs(drafted[first:])[0] == (True, _PROBE_STEPS)
+
+
+@pytest.mark.parametrize("last_backoff", [0, 8])
+def test_the_verdict_after_a_probe_compares_plain_steps_of_its_own_time(last_backoff):
+    """Plain steps timed at 1.5x their profile (a slower machine: a GPU's first seconds),
+    then a back-off (of 8 steps, or of 16 after one of 8); since then the machine runs at
+    its profile, where speculation loses 5%. The back-off's last _TRUSTED_PLAIN steps
+    re-time plain decoding, so the verdict after the probe is against speculation: on the
+    older plain times speculation would gain two fifths."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _forecast_gain(policy, requests=4, gain=0.95)
+    _plain_steps_at(policy, 4, 1.5)
+    assert policy.forecast_pays(4, _MARGIN)
+    policy.at(4).backoff = last_backoff
+    policy.back_off(4)
+    assert policy.at(4).backoff == max(_MIN_BACKOFF, 2 * last_backoff)
+    runs = _runs(_decode(policy, 4, 400, plain_factor=1.0, spec_factor=1.0))
+    assert runs[0] == (False, max(_MIN_BACKOFF, 2 * last_backoff))
+    assert runs[1] == (True, _PROBE_STEPS) and runs[2][0] is False
+    assert not policy.forecast_pays(4)
 
 
 def test_recent_reach_weighs_a_step_of_several_trees_as_one_tree_at_a_time():
