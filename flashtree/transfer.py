@@ -1,10 +1,11 @@
-"""Host lists to device tensors without waiting for the device.
+"""Copies between host and device without waiting for the device.
 
 `torch.tensor(values, device="cuda")` copies from pageable memory, which blocks the host until
 the stream has finished all earlier work: each such call is a device sync, and a speculative
 step made ~20 of them. Here the values go through pinned memory with one asynchronous copy
 (stream-ordered, so kernels queued after it read them; torch's host allocator keeps the pinned
-block alive until the copy is done)."""
+block alive until the copy is done). The other way, `device_to_host` queues a copy into pinned
+memory that the host reads after the step's one device read, instead of a second sync."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def device_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor` as it is now in stream order (a snapshot: later writes to
+    `tensor`, such as a CUDA graph's next replay, do not reach it), queued without a device
+    sync. From a CUDA tensor it holds the values only once the host has waited for work
+    queued after the copy (any blocking read of a later result); read it after that."""
+    if tensor.device.type != "cuda":
+        return tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def lists_to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ from flashtree.spec.tree import (
     tree_from_levels,
 )
 from flashtree.spec.verify import Candidates
-from flashtree.transfer import to_device
+from flashtree.transfer import device_to_host, to_device
 
 if TYPE_CHECKING:
     from flashtree.engine.speculative import SpecConfig
@@ -88,7 +88,8 @@ class CandidatePlanner:
         use_graphs = graphs is not None and graphs.use_cuda_graphs
         self.device = runner.device
         # The policy's tree budgets for the next step's requests (`choose_trees`), then this
-        # step's trees until `settle`: seq ids, budgets, [R, width + 1] reach on the device.
+        # step's trees until `settle`: seq ids, budgets, and their [R, width + 1] reach,
+        # copied to the host with the step's one device read.
         self._chosen: dict[int, int] = {}
         self._unsettled: tuple[list[int], list[int], torch.Tensor] | None = None
         self.tree_levels = RowGraphs(_levels, buckets, self.device, use_graphs)
@@ -221,7 +222,7 @@ class CandidatePlanner:
         if self.policy is not None:
             ids = [seqs[i].seq_id for i in trees]
             budgets = [self._chosen[i] for i in ids]
-            self._unsettled = (ids, budgets, reach)
+            self._unsettled = (ids, budgets, device_to_host(reach))
         if on_device and len(set(budgets)) == 1 and budgets[0] > 0:
             nodes, visible = self.tree_nodes(keys, flat, top_tok, roots, budget=budgets[0])
             return TreeBatch(nodes[:, 0], nodes[:, 1], nodes[:, 2], visible)
@@ -242,9 +243,10 @@ class CandidatePlanner:
                 plans[i] = Planned(cand, depths, None)
 
     def settle(self) -> dict[int, float]:
-        """After the step's device read: each drafted tree's expected accepted drafts at its
-        chosen budget (seq_id -> raw gain; the calibration's `predicted`), its gains at every
-        level noted for the request's next choice."""
+        """After the step's device read (which the host copy of the trees' reach arrived
+        with, so reading it waits for nothing): each drafted tree's expected accepted drafts
+        at its chosen budget (seq_id -> raw gain; the calibration's `predicted`), its gains
+        at every level noted for the request's next choice."""
         if self._unsettled is None:
             return {}
         ids, budgets, reach = self._unsettled

@@ -340,7 +340,7 @@ class SpecPolicy:
         Borrowed plain times mislead most here: a smaller bucket's overstate this one's (host
         work weighs more in small steps), so speculation looked like it paid where it lost,
         and a bucket's first speculative run went on until its own times showed otherwise
-        (~15 steps at 16 requests on the GPU, a seventh of a benchmark run's time)."""
+        (15-21 steps at 16 requests on the GPU, in benchmark runs that lost 15% to `none`)."""
         return (self.timed and not size.spec_scale.seen and size.probe_steps_left == 0
                 and len(size.plain_scale.samples) < _TRUSTED_PLAIN)
 

@@ -1,0 +1,24 @@
+"""A device tensor's host copy queued without a sync holds its values once the host has read
+a result queued after it, and is a snapshot of the tensor at the time it was queued."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtree.transfer import device_to_host
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_a_host_copy_arrives_with_the_next_blocking_read():
+    source = torch.rand(64, 16, dtype=torch.float64, device="cuda")
+    expected = source.cpu()
+    big = torch.rand(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    busy = big @ big  # keeps the stream busy past the copy's queuing
+    copy = device_to_host(source)
+    assert copy.is_pinned()
+    source.zero_()  # queued after the copy: not in it
+    busy.sum().item()  # the blocking read of a later result
+    assert torch.equal(copy, expected)
