@@ -1,0 +1,64 @@
+"""Speculative decode steps of the adaptive policy against the fixed one, paired: every engine
+holds a steady batch of CONCURRENCY greedy requests and the engines take turns running blocks
+of decode steps (`paired_steps.py`), so that a difference of ~1% in step time shows where
+whole runs swing by 10%.
+
+    python benchmarks/spec_step_paired.py --model M.gguf --device cuda --concurrency 4
+
+Engines (`--engines`, comma-separated; a suffix `.x` adds another copy): `fixed` (DDTree, the
+full tree every step); `adaptive` (the policy as it runs: it may decode plain, and probes);
+`full` (the adaptive policy makes all its calls, but every step drafts and verifies the full
+tree: the same trees as `fixed`, so the same tokens at every step, and any difference in step
+time is the policy's host work and reads); `full_untimed` (`full` without step timing).
+Prints each engine's median ms per step, committed tokens per step and its per-block speed
+over the first engine's."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from flashtree import LLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.paired_steps import measure, parse_args  # noqa: E402
+
+VARIANTS = ("fixed", "adaptive", "full", "full_untimed")
+
+
+def engine(variant: str, args: argparse.Namespace) -> LLM:
+    policy_name = "fixed" if variant == "fixed" else "adaptive"
+    llm = LLM(model=args.model, device=args.device, max_num_seqs=args.concurrency,
+              draft=args.draft, spec="ddtree", spec_policy=policy_name)
+    if variant.startswith("full"):
+        policy = llm.engine.speculative.policy
+        decide, choose = policy.should_draft, policy.choose
+
+        def always_draft(requests: int) -> bool:
+            decide(requests)
+            policy.probing = False  # a probe would commit one token a step
+            return True
+
+        def full_tree(seq_ids: list[int], raw_gains: list[list[float]]) -> list[int]:
+            choose(seq_ids, raw_gains)
+            return [policy.levels[-1]] * len(seq_ids)
+
+        policy.should_draft, policy.choose = always_draft, full_tree
+        if variant == "full_untimed":
+            policy.timed = False
+    return llm
+
+
+def main() -> int:
+    args, names = parse_args(__doc__.split("\n\n")[0], VARIANTS, concurrency=4, blocks=40,
+                             block=8, engines="fixed,full,adaptive")
+    engines = {n: engine(n.split(".")[0], args) for n in names}
+    # Up to a whole tree's depth a step; a request that ends stops the measurement early.
+    longest = min(llm.engine.args.scheduler.max_model_len for llm in engines.values())
+    measure(engines, args, max_tokens=longest // 2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
