@@ -99,7 +99,10 @@ def measure(engines: dict[str, LLM], args: argparse.Namespace, max_tokens: int) 
     hold_batches(engines, args.concurrency, max_tokens, args.dataset)
     print(f"concurrency {args.concurrency}, {args.blocks} blocks of {args.block} decode steps, "
           "rotated order")
-    report(run_blocks(engines, args.blocks, args.block))
+    timed = run_blocks(engines, args.blocks, args.block)
+    if len(next(iter(timed.values())).seconds) < 2:
+        raise SystemExit("fewer than 2 blocks before a request ended: lower --block")
+    report(timed)
 
 
 def _first(blocks: Blocks, count: int) -> Blocks:

@@ -9,7 +9,9 @@ Engines (`--engines`, comma-separated; a suffix `.x` adds another copy): `fixed`
 full tree every step); `adaptive` (the policy as it runs: it may decode plain, and probes);
 `full` (the adaptive policy makes all its calls, but every step drafts and verifies the full
 tree: the same trees as `fixed`, so the same tokens at every step, and any difference in step
-time is the policy's host work and reads); `full_untimed` (`full` without step timing).
+time is the policy's host work and reads; where the policy would decode plain, its
+back-offs skip the forecast, as they do when it runs); `full_untimed` (`full` without step
+timing).
 Prints each engine's median ms per step, committed tokens per step and its per-block speed
 over the first engine's."""
 
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 
 from flashtree import LLM
+from flashtree.spec.policy import _TRUSTED_PLAIN
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.paired_steps import measure, parse_args  # noqa: E402
@@ -36,6 +39,11 @@ def engine(variant: str, args: argparse.Namespace) -> LLM:
         decide, choose = policy.should_draft, policy.choose
 
         def always_draft(requests: int) -> bool:
+            # Plain step times, as a running engine has them (no step decodes plain here, and
+            # a back-off drops them): without them should_draft returns before its forecast.
+            scale = policy.at(requests).plain_scale
+            while len(scale.samples) < _TRUSTED_PLAIN:
+                scale.add(1.0, 1.0)
             decide(requests)
             policy.probing = False  # a probe would commit one token a step
             return True

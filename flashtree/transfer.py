@@ -27,9 +27,9 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def device_to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy of `tensor` as it is now in stream order (a snapshot: later writes to
-    `tensor`, such as a CUDA graph's next replay, do not reach it), queued without a device
-    sync. From a CUDA tensor it holds the values only once the host has waited for work
-    queued after the copy (any blocking read of a later result); read it after that."""
+    `tensor` do not reach it), queued on the current stream without a device sync. From a
+    CUDA tensor it holds the values only once the host has waited for work queued after the
+    copy on the same stream (any blocking read of a later result); read it after that."""
     if tensor.device.type != "cuda":
         return tensor.clone()
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)

@@ -21,8 +21,8 @@ def test_lists_arrive_in_order_each_view_16_byte_aligned():
 
 
 def test_a_host_copy_is_a_snapshot_of_the_tensor_when_it_was_queued():
-    """The source of a host copy can be a CUDA graph's output buffer, which the next replay
-    overwrites: the copy keeps the values it was queued with."""
+    """A host copy keeps the values its source had when it was queued, whatever is written
+    to the source after."""
     source = torch.arange(6, dtype=torch.float64).view(2, 3)
     copy = device_to_host(source)
     source.zero_()

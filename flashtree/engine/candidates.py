@@ -89,7 +89,7 @@ class CandidatePlanner:
         self.device = runner.device
         # The policy's tree budgets for the next step's requests (`choose_trees`), then this
         # step's trees until `settle`: seq ids, budgets, and their [R, width + 1] reach,
-        # copied to the host with the step's one device read.
+        # copied to the host behind the draft and read after the step's device read.
         self._chosen: dict[int, int] = {}
         self._unsettled: tuple[list[int], list[int], torch.Tensor] | None = None
         self.tree_levels = RowGraphs(_levels, buckets, self.device, use_graphs)

@@ -257,9 +257,9 @@ class SpecPolicy:
     Whether a step drafts at all is judged by measured steps (the forecast), per bucket of
     batch sizes: a verdict against speculation is only as good as the speculative steps timed
     before it, so speculation is judged after probes, runs of _PROBE_STEPS speculative steps,
-    the first _WARM_STEPS untimed. A bucket's first steps time its own plain steps, the
-    first speculative ones are a probe (when steps are timed; a bucket not measured yet
-    borrows the nearest one's speculative step times), and one follows every back-off: the
+    the first _WARM_STEPS untimed. A bucket's first steps time its own plain steps; the
+    engine's first speculative steps are a probe (when steps are timed; a bucket not measured
+    yet borrows the nearest one's speculative step times), and one follows every back-off: the
     plain steps after a verdict against speculation, doubling while verdicts keep coming.
     A probe measures speculation without using it: its steps commit one token per request, as
     plain steps would. Were they to commit their accepted drafts, the requests they speed up

@@ -14,10 +14,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_a_host_copy_arrives_with_the_next_blocking_read():
     source = torch.rand(64, 16, dtype=torch.float64, device="cuda")
     expected = source.cpu()
-    big = torch.rand(4096, 4096, device="cuda")
+    big = torch.rand(8192, 8192, device="cuda")
     torch.cuda.synchronize()
-    busy = big @ big  # keeps the stream busy past the copy's queuing
+    busy = big @ big  # keeps the stream busy past the copy's queuing (~1 TFLOP)
     copy = device_to_host(source)
+    assert not torch.cuda.current_stream().query(), "device_to_host waited for the device"
     assert copy.is_pinned()
     source.zero_()  # queued after the copy: not in it
     busy.sum().item()  # the blocking read of a later result

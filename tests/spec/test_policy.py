@@ -631,6 +631,23 @@ def test_the_verdict_after_a_probe_compares_plain_steps_of_its_own_time(last_bac
     assert not policy.forecast_pays(4)
 
 
+def test_a_back_off_of_eight_steps_re_times_all_of_them_its_verdict_step_first():
+    """Speculation costs 1.4% more than it commits (nothing accepted, a nearly free draft and
+    verify): the verdict, taken by should_draft, backs off 8 steps, the verdict's own step
+    first, and plain steps then take 1.1x what they took before. The verdict after the probe
+    is taken on those 8 steps alone, and speculation gains 8.5% on them; among the older
+    times (32 at 1.0x) it would lose again."""
+    policy = SpecPolicy(_cost(per_token=1e-6, base=0.01, draft=1e-4), LEVELS)
+    spec = policy.cost.draft_s(4) + policy.cost.target_s(36)
+    _forecast_gain(policy, requests=4, gain=policy.cost.target_s(4) / spec)  # 0 accepted
+    _plain_steps_at(policy, 4, 1.0)
+    assert not policy.forecast_pays(4)
+    runs = _runs(_decode(policy, 4, 40, plain_factor=1.1, spec_factor=1.0))
+    assert runs[0] == (False, _MIN_BACKOFF) and _MIN_BACKOFF == _TRUSTED_PLAIN
+    assert runs[1][0] is True and runs[1][1] > _PROBE_STEPS  # speculation resumed
+    assert list(policy.at(4).plain_scale.samples) == [pytest.approx(1.1)] * _TRUSTED_PLAIN
+
+
 def test_recent_reach_weighs_a_step_of_several_trees_as_one_tree_at_a_time():
     """A step's trees enter the recent-reach average (a new request's expected gains) as
     their mean, with the weight they would have had one by one; a step without trees leaves
