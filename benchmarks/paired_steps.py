@@ -43,10 +43,11 @@ def parse_args(description: str, variants: tuple[str, ...], *, concurrency: int,
 
 @dataclass
 class Blocks:
-    """One engine's timed blocks: seconds, decode steps and committed tokens of each."""
+    """One engine's timed blocks of `block` decode steps: seconds and committed tokens of
+    each."""
 
+    block: int
     seconds: list[float] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
 
@@ -75,7 +76,7 @@ def run_blocks(engines: dict[str, LLM], blocks: int, block: int) -> dict[str, Bl
     stops early (the blocks so far) when a request of any engine has ended: the batches are
     no longer steady."""
     names = list(engines)
-    timed = {n: Blocks() for n in names}
+    timed = {n: Blocks(block) for n in names}
     sizes = {n: len(engines[n].engine.scheduler.running) for n in names}
     for b in range(blocks):
         for n in names[b % len(names):] + names[:b % len(names)]:
@@ -85,11 +86,10 @@ def run_blocks(engines: dict[str, LLM], blocks: int, block: int) -> dict[str, Bl
             for _ in range(block):
                 step()
             timed[n].seconds.append(time.perf_counter() - start)
-            timed[n].steps.append(block)
             timed[n].tokens.append(sum(len(s.output_ids) for s in e.scheduler.running) - before)
         if any(len(engines[n].engine.scheduler.running) != sizes[n] for n in names):
             print(f"a request ended after block {b + 1}: the blocks before it are reported")
-            return {n: _first(t, b) for n, t in timed.items()}
+            return {n: Blocks(block, t.seconds[:b], t.tokens[:b]) for n, t in timed.items()}
     return timed
 
 
@@ -105,10 +105,6 @@ def measure(engines: dict[str, LLM], args: argparse.Namespace, max_tokens: int) 
     report(timed)
 
 
-def _first(blocks: Blocks, count: int) -> Blocks:
-    return Blocks(blocks.seconds[:count], blocks.steps[:count], blocks.tokens[:count])
-
-
 def report(timed: dict[str, Blocks]) -> None:
     """Per engine: median ms per step, tokens per step, and per block its speed over the first
     engine's in tokens/s and in steps/s (mean +- standard error)."""
@@ -117,17 +113,16 @@ def report(timed: dict[str, Blocks]) -> None:
     print("engine          ms/step  tokens/step  tokens/s over first  steps/s over first")
     for n in names:
         t = timed[n]
-        per_step = [s / k for s, k in zip(t.seconds, t.steps)]
+        per_step = [s / t.block for s in t.seconds]
         token_ratios = [(a / s) / (b / r) for a, s, b, r
                         in zip(t.tokens, t.seconds, base.tokens, base.seconds)]
         step_ratios = [r / s for s, r in zip(t.seconds, base.seconds)]
         print(f"  {n:14s} {1e3 * statistics.median(per_step):7.3f}  "
-              f"{sum(t.tokens) / sum(t.steps):11.2f}  {_mean_se(token_ratios):>19s}  "
+              f"{sum(t.tokens) / (t.block * len(t.tokens)):11.2f}  {_mean_se(token_ratios):>19s}  "
               f"{_mean_se(step_ratios):>18s}")
 
 
 def _mean_se(values: list[float]) -> str:
-    if len(values) < 2:
-        return "-"
+    """Mean +- standard error of two or more values."""
     se = statistics.stdev(values) / len(values) ** 0.5
     return f"{statistics.mean(values):.4f} +- {se:.4f}"

@@ -436,8 +436,7 @@ def test_forecast_skips_drafting_where_recent_steps_did_not_pay():
     and a probe after it; a small batch still drafts."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     for _ in range(_TRUSTED_PLAIN):  # a bucket's own plain steps come first
-        assert not policy.should_draft(256)
-        policy.observe_step(False, 256, policy.cost.target_s(256))
+        assert not _should_draft_timing_plain(policy, 256)
     assert policy.should_draft(256)  # no speculative step measured yet: a probe
     _speculated(policy, requests=8, verified=4.0, accepted=1.0, time_factor=1.2)
     _plain_steps_at(policy, 1, 1.0)
