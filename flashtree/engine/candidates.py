@@ -33,6 +33,14 @@ from flashtree.transfer import device_to_host, to_device
 if TYPE_CHECKING:
     from flashtree.engine.speculative import SpecConfig
 
+# A batch's DDTree budgets are chosen every _CHOICE_STEPS drafting steps, and whenever its
+# requests change; in between they are kept, and only a step that chose reads its trees'
+# reach (the next choice's input, and the calibration's). The choice, the reach's copy
+# to the host and its bookkeeping are host work between the step's device read and the next
+# launch, ~120 us a step on the H200's host, where a small model's steps are launch-bound:
+# 3.6% of a step at one request. A request's trees change little over a few steps.
+_CHOICE_STEPS = 4
+
 
 @dataclass
 class Planned:
@@ -87,10 +95,12 @@ class CandidatePlanner:
         buckets = graphs.batch_buckets if graphs is not None else []
         use_graphs = graphs is not None and graphs.use_cuda_graphs
         self.device = runner.device
-        # The policy's tree budgets for the next step's requests (`choose_trees`), then this
-        # step's trees until `settle`: seq ids, budgets, and their [R, width + 1] reach,
+        # The policy's tree budgets for the next step's requests (`choose_trees`), the
+        # drafting steps they have been kept since, then this step's trees until `settle`
+        # (on a step that reads them): seq ids, budgets, and their [R, width + 1] reach,
         # copied to the host behind the draft and read after the step's device read.
         self._chosen: dict[int, int] = {}
+        self._kept_steps = 0
         self._unsettled: tuple[list[int], list[int], torch.Tensor] | None = None
         self.tree_levels = RowGraphs(_levels, buckets, self.device, use_graphs)
         self.tree_nodes = RowGraphs(_tree_nodes, buckets, self.device, use_graphs)
@@ -114,12 +124,15 @@ class CandidatePlanner:
 
     def choose_trees(self, seqs: list[Sequence]) -> None:
         """The policy's DDTree budgets for a drafting step of `seqs`, from each request's
-        recent trees (choosing after drafting would make the host wait for the draft)."""
+        recent trees (choosing after drafting would make the host wait for the draft), or
+        the last step's (see _CHOICE_STEPS)."""
         assert self.policy is not None
         ids = [s.seq_id for s in seqs if not self._samples_tree(s)]
-        if ids:
+        if self._chosen.keys() == set(ids) and self._kept_steps < _CHOICE_STEPS - 1:
+            self._kept_steps += 1
+        elif ids:
             budgets = self.policy.choose(ids, [self.policy.expected_gains(i) for i in ids])
-            self._chosen = dict(zip(ids, budgets))
+            self._chosen, self._kept_steps = dict(zip(ids, budgets)), 0
 
     def _samples_tree(self, seq: Sequence) -> bool:
         """RRS requests' candidates are sampled from the draft, at the full budget."""
@@ -222,7 +235,8 @@ class CandidatePlanner:
         if self.policy is not None:
             ids = [seqs[i].seq_id for i in trees]
             budgets = [self._chosen[i] for i in ids]
-            self._unsettled = (ids, budgets, device_to_host(reach))
+            if self._kept_steps == 0:  # this step chose
+                self._unsettled = (ids, budgets, device_to_host(reach))
         if on_device and len(set(budgets)) == 1 and budgets[0] > 0:
             nodes, visible = self.tree_nodes(keys, flat, top_tok, roots, budget=budgets[0])
             return TreeBatch(nodes[:, 0], nodes[:, 1], nodes[:, 2], visible)

@@ -140,9 +140,12 @@ class GraphRunner:
 def capture_graph(fn: Callable[[], Any], device: torch.device, pool=None
                   ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture `fn()` (which reads and writes only static tensors) after two warm-up calls on a
-    side stream (kernel compilation and library handles stay out of the graph). The garbage
-    collector is off while it captures: a collection then could free another engine's graphs,
-    and destroying a graph is not permitted while a stream captures."""
+    side stream (kernel compilation and library handles stay out of the graph), and replay it
+    once: a graph's first launch also uploads it to the device, a stall that would otherwise
+    land on the first step to use it (an adaptive engine reaches some graphs only in the
+    middle of serving: a budget or a context-row bucket met late). The garbage collector is
+    off while it captures: a collection then could free another engine's graphs, and
+    destroying a graph is not permitted while a stream captures."""
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(current)
@@ -159,4 +162,5 @@ def capture_graph(fn: Callable[[], Any], device: torch.device, pool=None
     finally:
         if collecting:
             gc.enable()
+    graph.replay()
     return graph, outputs

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
+from flashtree.engine import candidates
 from flashtree.graphs.rows import RowGraphs
 from flashtree.spec.cost import load_profile, lower_envelope, save_profile
 from flashtree.spec.policy import (
@@ -285,8 +286,10 @@ def test_adaptive_engine_is_lossless_with_varying_budgets_and_plain_steps(small_
                                                                           tmp_path,
                                                                           monkeypatch):
     """A cost model under which budgets differ by request and step (and some steps run plain)
-    must still give exactly plain decoding's greedy tokens, and give every KV page back."""
+    must still give exactly plain decoding's greedy tokens, and give every KV page back.
+    Trees are chosen every step here (their budgets vary the more)."""
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(candidates, "_CHOICE_STEPS", 1)
     target, drafter = small_pair
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
@@ -308,8 +311,9 @@ def test_tree_build_captured_at_start_covers_every_step(small_pair, tmp_path, mo
     """On CUDA the DDTree build and the greedy walk replay graphs captured at start for every
     batch bucket and budget the policy can pick: no step may need a shape that was not
     captured (capturing it then would stall that step). Checked with the same padded static
-    buffers on CPU."""
+    buffers on CPU, trees chosen every step (their budgets vary the more)."""
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(candidates, "_CHOICE_STEPS", 1)
     target, drafter = small_pair
     llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
               skip_tokenizer_init=True, page_size=4, max_num_seqs=4)
@@ -681,6 +685,53 @@ def test_trees_are_chosen_from_each_requests_last_tree_before_drafting():
     assert _chain_gains(0.05)[-1] < mixed[-1] < _chain_gains(0.95)[-1]
     policy.forget({8})
     assert policy.expected_gains(7) == mixed and policy.expected_gains(8) == _chain_gains(0.95)
+
+
+def test_tree_budgets_are_kept_for_a_few_steps_and_chosen_again_when_the_batch_changes(
+        small_pair, tmp_path, monkeypatch):
+    """DDTree budgets are chosen on every _CHOICE_STEPS-th drafting step of a batch and on
+    the first step after its requests change; the steps in between keep them. Only a step
+    that chose reads its trees' reach (the next choice's input and the calibration's).
+    Probe steps commit one token each, so the first request ends after a known step."""
+    def probe(self, requests):
+        self.probing = True
+        return True
+
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(SpecPolicy, "should_draft", probe)
+    target, drafter = small_pair
+    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
+              skip_tokenizer_init=True, page_size=4)
+    engine, policy = llm.engine, llm.engine.speculative.policy
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    choose, note_reach = policy.choose, policy.note_reach
+
+    def counted_choose(ids, gains):
+        calls.append(("choose", tuple(ids)))
+        return choose(ids, gains)
+
+    def counted_note_reach(reach):
+        calls.append(("reach", tuple(reach)))
+        note_reach(reach)
+
+    policy.choose, policy.note_reach = counted_choose, counted_note_reach
+    short, long = (engine.add_request(p, SamplingParams(temperature=0, max_tokens=n,
+                                                        ignore_eos=True))
+                   for p, n in zip(PROMPTS, (7, 15)))
+    engine.step()  # both prompts: the first token each
+    steps = []
+    while engine.has_unfinished():
+        calls.clear()
+        engine.step()
+        steps.append(list(calls))
+    assert short.is_finished and len(short.output_ids) == 7 and len(long.output_ids) == 15
+    both, alone = (short.seq_id, long.seq_id), (long.seq_id,)
+    chose = [("choose", both), ("reach", both)]
+    chose_alone = [("choose", alone), ("reach", alone)]
+    # 6 steps of both requests, then 8 of the long one alone.
+    expected = [chose if i % 4 == 0 else [] for i in range(6)]
+    expected += [chose_alone if i % 4 == 0 else [] for i in range(8)]
+    assert candidates._CHOICE_STEPS == 4 and steps == expected
 
 
 def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, monkeypatch):
