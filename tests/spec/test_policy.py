@@ -368,17 +368,19 @@ def test_seeded_sampling_with_speculation_returns_plain_samples(small_pair, spec
     assert sum(llm.engine.speculative.stats.accepted_per_pos) > 0  # drafts were accepted
 
 
+def _always_probe(policy: SpecPolicy, requests: int) -> bool:
+    """A should_draft that makes every decode step a probe's (each commits one token)."""
+    policy.probing = True
+    return True
+
+
 def test_probe_steps_measure_speculation_but_commit_as_plain_decoding(small_pair, tmp_path,
                                                                       monkeypatch):
     """Every step a probe's: trees are drafted and verified, and the policy learns how many
     drafts each step accepted, but a step commits one token per request, the one plain
     decoding commits (so that a probe does not move when requests finish)."""
-    def probe(self, requests):
-        self.probing = True
-        return True
-
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
-    monkeypatch.setattr(SpecPolicy, "should_draft", probe)
+    monkeypatch.setattr(SpecPolicy, "should_draft", _always_probe)
     target, drafter = small_pair
     common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -693,12 +695,8 @@ def test_tree_budgets_are_kept_for_a_few_steps_and_chosen_again_when_the_batch_c
     the first step after its requests change; the steps in between keep them. Only a step
     that chose reads its trees' reach (the next choice's input and the calibration's).
     Probe steps commit one token each, so the first request ends after a known step."""
-    def probe(self, requests):
-        self.probing = True
-        return True
-
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
-    monkeypatch.setattr(SpecPolicy, "should_draft", probe)
+    monkeypatch.setattr(SpecPolicy, "should_draft", _always_probe)
     target, drafter = small_pair
     llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
               skip_tokenizer_init=True, page_size=4)
