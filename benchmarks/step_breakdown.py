@@ -144,7 +144,7 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
     if flush is not None:
         del eng.proposer.flush
     if by_bucket is not None:
-        del policy.observe_step, policy.observe_speculation
+        del policy.observe_step, policy.observe_speculation, policy.drain.speculation_pays
     times = sorted(s for s, _ in steps)
     speculative = [s for i, (s, d) in enumerate(steps) if d != (steps[i - 1][1] if i else 0)]
     return {"wall": wall, "tokens": sum(r.num_output for r in records), "steps": len(steps),
@@ -162,14 +162,15 @@ def timed_run(llm: LLM, prompts: list[BenchPrompt], args: argparse.Namespace,
 
 def watch_policy(policy: SpecPolicy) -> dict[int, dict[str, list]]:
     """Record the adaptive policy's own view of each decode step, per batch bucket: plain and
-    speculative step seconds, how many speculative steps were probes, and the accepted drafts
-    per request of each speculative step."""
+    speculative step seconds, how many speculative steps were probes, the accepted drafts
+    per request of each speculative step, and the steps a draining batch ran plain."""
     by_bucket: dict[int, dict[str, list]] = {}
     observe_step, observe_speculation = policy.observe_step, policy.observe_speculation
+    speculation_pays = policy.drain.speculation_pays
 
     def bucket(requests: int) -> dict[str, list]:
-        return by_bucket.setdefault(batch_bucket(requests),
-                                    {"plain": [], "spec": [], "probes": [], "accepted": []})
+        return by_bucket.setdefault(batch_bucket(requests), {
+            "plain": [], "spec": [], "probes": [], "accepted": [], "drain_plain": []})
 
     def step(speculative: bool, requests: int, seconds: float) -> None:
         b = bucket(requests)
@@ -182,7 +183,14 @@ def watch_policy(policy: SpecPolicy) -> dict[int, dict[str, list]]:
         bucket(requests)["accepted"].append(accepted / requests)
         observe_speculation(requests, verified, accepted)
 
+    def drain_verdict(remaining: list[int], spec_s, plain_s) -> bool:
+        pays = speculation_pays(remaining, spec_s, plain_s)
+        if not pays:
+            bucket(len(remaining))["drain_plain"].append(max(remaining))
+        return pays
+
     policy.observe_step, policy.observe_speculation = step, speculation
+    policy.drain.speculation_pays = drain_verdict
     return by_bucket
 
 
@@ -191,7 +199,7 @@ def print_by_bucket(name: str, by_bucket: dict[int, dict[str, list]], policy: Sp
     print(f"\n{name}, decode steps by batch bucket: steps plain / speculative (probes), median "
           "ms plain / speculative, accepted drafts per request, (1 + accepted) x plain ms / "
           "speculative ms (above 1: speculation paid); the forecast's ms plain / speculative and "
-          "accepted at the end")
+          "accepted at the end; steps a draining batch ran plain (and the most tokens left then)")
     for b, r in sorted(by_bucket.items()):
         plain = 1e3 * statistics.median(r["plain"]) if r["plain"] else float("nan")
         spec = 1e3 * statistics.median(r["spec"]) if r["spec"] else float("nan")
@@ -199,7 +207,14 @@ def print_by_bucket(name: str, by_bucket: dict[int, dict[str, list]], policy: Sp
         print(f"  {b:4d}: {len(r['plain'])} / {len(r['spec'])} ({len(r['probes'])}), "
               f"{plain:.2f} / {spec:.2f} ms, {accepted:.2f}, {(1 + accepted) * plain / spec:.2f}; "
               f"forecast {1e3 * policy.plain_s(b):.2f} / {1e3 * policy.spec_s(b):.2f} ms, "
-              f"{policy.recent.optimistic_accepted():.2f}")
+              f"{policy.recent.optimistic_accepted():.2f}; drain plain {len(r['drain_plain'])}"
+              + (f" ({max(r['drain_plain'])} left)" if r["drain_plain"] else ""))
+    paces = sorted(policy.drain.samples())
+    if paces:
+        quartiles = statistics.quantiles(paces, n=4) if len(paces) > 1 else paces * 3
+        print(f"  paces (steps per committed token) of {len(paces)} requests: min "
+              f"{paces[0]:.2f}, quartiles {' / '.join(f'{q:.2f}' for q in quartiles)}, "
+              f"max {paces[-1]:.2f}")
 
 
 def main() -> int:

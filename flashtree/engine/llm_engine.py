@@ -217,7 +217,8 @@ class LLMEngine:
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
         if self.speculative is None or not chunks[0].decode:
             return self._plain_step(chunks)
-        speculate = (self.speculative.wants_draft([c.seq for c in chunks])
+        speculate = (self.speculative.wants_draft([c.seq for c in chunks],
+                                                  others_wait=bool(self.scheduler.waiting))
                      and self._reserve_lookahead(chunks))
         if speculate:
             done = self._speculative_step(chunks)

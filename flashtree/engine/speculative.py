@@ -78,12 +78,14 @@ class SpeculativeDecoder:
             self.tree_verifier = TreeBatchVerifier(runner, cache, proposer,
                                                    [b + 1 for b in budgets])
 
-    def wants_draft(self, seqs: list[Sequence]) -> bool:
+    def wants_draft(self, seqs: list[Sequence], others_wait: bool) -> bool:
         """Whether a decode step of `seqs` speculates (the adaptive policy may run it plain,
-        and chooses DDTree budgets here, before drafting)."""
+        and chooses DDTree budgets here, before drafting); `others_wait`: requests wait for
+        room in the batch."""
         if self.policy is None:
             return True
-        if not self.policy.should_draft(len(seqs)):
+        remaining = None if others_wait else [s.max_total_len - s.num_tokens for s in seqs]
+        if not self.policy.should_draft(len(seqs), remaining):
             return False
         if self.cfg.method == "ddtree":
             self.planner.choose_trees(seqs)
@@ -168,8 +170,10 @@ class SpeculativeDecoder:
             self.pages.set_length(seq.seq_id, seq.num_computed)
             committed.append(Verified(new[: len(kept)], n - 1))
             accepted += len(path) - 1
-            if self.policy is not None and expected is not None:
-                self.policy.observe(seq.seq_id, len(path) - 1, expected)
+            if self.policy is not None:
+                self.policy.observe_pace(seq.seq_id, len(path) - 1)
+                if expected is not None:
+                    self.policy.observe(seq.seq_id, len(path) - 1, expected)
             self.stats.record_budget(n - 1)
         verified = sum(v.num_candidates for v in committed)
         if self.policy is not None:

@@ -12,7 +12,8 @@ steps). Budgets come from a fixed ladder (`budget_levels`), so the step shapes s
 that CUDA graphs capture; budget 0 verifies the bonus token alone (a plain decode step).
 
 Whether a step drafts at all is decided first, for the batch: from recent speculative steps'
-measured times and acceptance against measured plain steps (`SpecPolicy.should_draft`)."""
+measured times and acceptance against measured plain steps (`SpecPolicy.should_draft`), and in
+a draining batch from when its last request is expected to end (`flashtree.spec.drain`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from flashtree.spec.drain import DrainWatch
 
 POLICIES = ("adaptive", "fixed")
 _DECAY = 0.9  # weight of the past in the acceptance sums, per step
@@ -285,6 +288,7 @@ class SpecPolicy:
     run_length: int = 0  # speculative steps in a row up to the last observed one
     reach: dict[int, list[float]] = field(default_factory=dict)  # per request: its last tree's
     recent_reach: list[float] | None = None  # raw gains per level, and their recent average
+    drain: DrainWatch = field(default_factory=DrainWatch)
 
     def at(self, requests: int) -> BatchSizeState:
         """The state of the bucket of a batch of `requests`."""
@@ -294,7 +298,7 @@ class SpecPolicy:
             size = self.sizes[bucket] = BatchSizeState()
         return size
 
-    def should_draft(self, requests: int) -> bool:
+    def should_draft(self, requests: int, remaining: list[int] | None = None) -> bool:
         """False (the step runs plain) during a back-off, and where the forecast from recent
         speculative steps (their accepted and verified drafts and measured step times, at this
         batch size) says a draft cannot pay for itself: a verdict, before drafting. A bucket
@@ -303,7 +307,11 @@ class SpecPolicy:
         comparison and one every _PLAIN_PROBE speculative steps. Probes speculate without
         asking the forecast, and commit what a plain step would (`probing`). Starting to
         speculate takes a forecast gain of `_margin()`, going on a break-even; a verdict
-        against running speculation is taken again on fresh plain steps (`recheck`)."""
+        against running speculation is taken again on fresh plain steps (`recheck`).
+        `remaining`: each request's tokens left to generate where no other request waits
+        (None where some do): in a draining batch, a step the forecast favours still runs
+        plain where the batch is expected to end sooner that way (`DrainWatch`)."""
+        self.drain.note_batch(requests, others_wait=remaining is None)
         size = self.at(requests)
         if size.plain_steps_left > 0:
             if size.plain_steps_left == _TRUSTED_PLAIN and size.probe_steps_left > 0:
@@ -321,6 +329,9 @@ class SpecPolicy:
         if self.probing:
             size.probe_steps_left = max(0, size.probe_steps_left - 1)
         elif self.forecast_pays(requests, 0.0 if size.speculating else self._margin()):
+            if (self.drain.draining and remaining is not None
+                    and not self.drain.speculation_pays(remaining, self.spec_s, self.plain_s)):
+                return False
             size.backoff, size.speculating, size.rechecking = 0, True, False
         elif size.speculating and not size.rechecking and self.timed:
             self.recheck(requests)
@@ -508,6 +519,10 @@ class SpecPolicy:
         `requests` requests (the forecast's inputs)."""
         self.recent.add(verified / requests, accepted / requests)
 
+    def observe_pace(self, seq_id: int, accepted: int) -> None:
+        """A request's speculative step accepted `accepted` drafts (a probe's too)."""
+        self.drain.count(seq_id, 1 + accepted)
+
     def observe(self, seq_id: int, accepted: int, predicted: float) -> None:
         """After verification: `accepted` drafts of the chosen candidates, whose raw predicted
         sum was `predicted`."""
@@ -523,3 +538,4 @@ class SpecPolicy:
             del self.requests[seq_id]
         for seq_id in [s for s in self.reach if s not in live]:
             del self.reach[seq_id]
+        self.drain.forget(live)

@@ -368,7 +368,7 @@ def test_seeded_sampling_with_speculation_returns_plain_samples(small_pair, spec
     assert sum(llm.engine.speculative.stats.accepted_per_pos) > 0  # drafts were accepted
 
 
-def _always_probe(policy: SpecPolicy, requests: int) -> bool:
+def _always_probe(policy: SpecPolicy, requests: int, remaining: list[int] | None) -> bool:
     """A should_draft that makes every decode step a probe's (each commits one token)."""
     policy.probing = True
     return True
@@ -800,7 +800,7 @@ def test_plain_steps_chosen_by_the_policy_fill_the_draft_cache(small_pair, tmp_p
     from flashtree.spec.policy import SpecPolicy
 
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
-    monkeypatch.setattr(SpecPolicy, "should_draft", lambda self, requests: False)
+    monkeypatch.setattr(SpecPolicy, "should_draft", lambda self, requests, remaining: False)
     target, drafter = small_pair
     llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
               skip_tokenizer_init=True, page_size=4)
