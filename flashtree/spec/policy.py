@@ -236,6 +236,8 @@ class BatchSizeState:
     backoff: int = 0
     plain_steps_left: int = 0
     probe_steps_left: int = 0  # speculative steps the current or next probe still runs
+    probe_seconds: float | None = None  # the running probe's steps' seconds so far
+    probe_extra: float = 0.0  # the last whole probe's time beyond as many plain steps', in those
     spec_steps: int = 0  # speculative steps since the last plain probe
     # Speculation runs here (the last verdict was for it, or a recheck of one against it is
     # under way): it goes on while the forecast breaks even, where starting (or resuming
@@ -327,6 +329,8 @@ class SpecPolicy:
         self.probing = size.probe_steps_left > 0 or (self.timed
                                                      and not self._measured(_spec_scale))
         if self.probing:
+            if size.probe_steps_left == _PROBE_STEPS:
+                size.probe_seconds = 0.0
             size.probe_steps_left = max(0, size.probe_steps_left - 1)
         elif self.forecast_pays(requests, 0.0 if size.speculating else self._margin()):
             if (self.drain.draining and remaining is not None
@@ -380,18 +384,22 @@ class SpecPolicy:
         the last back-off's while verdicts keep coming, then a probe; enough plain steps that
         the probe's extra time is at most _PROBE_SHARE of theirs (where a speculative step
         costs many plain ones, as with wide batches on a CPU, a probe is rare). A probe's cost
-        is judged by the cheapest recent speculative step: cold ones would hold off the probes
-        that show them to have been cold. The back-off's last _TRUSTED_PLAIN steps re-time
-        plain decoding (the bucket's older plain times are dropped), so that the verdict after
-        the probe compares steps of one time: plain times from before a back-off can be a
-        slower machine's (a GPU's first seconds, another process), and such times at 16
-        requests on the GPU made speculation look like it paid a fifth where it lost up to
-        7%."""
+        is the last probe's measured extra time, where there was one: its first step also
+        catches the drafter up on the context of every plain step since the one before (on the
+        GPU at 16 requests, 20 ms of a probe's 60, which took 30 plain steps' time). It is at
+        least _PROBE_STEPS x the cheapest recent speculative step's (not any step's: cold ones
+        would hold off the probes that show them to have been cold). The back-off's last
+        _TRUSTED_PLAIN steps re-time plain decoding (the bucket's older plain times are
+        dropped), so that the verdict after the probe compares steps of one time: plain times
+        from before a back-off can be a slower machine's (a GPU's first seconds, another
+        process), and such times at 16 requests on the GPU made speculation look like it paid
+        a fifth where it lost up to 7%."""
         samples = self.at(requests).spec_scale.samples
         cheapest = (min(samples) if samples else self._factor(requests, _spec_scale)
                     ) * self.spec_profile_s(requests)
-        probe_extra = _PROBE_STEPS * (cheapest / self.plain_s(requests) - 1)
         size = self.at(requests)
+        probe_extra = max(_PROBE_STEPS * (cheapest / self.plain_s(requests) - 1),
+                          size.probe_extra)
         size.backoff = max(min(max(_MIN_BACKOFF, 2 * size.backoff), _MAX_BACKOFF),
                            math.ceil(probe_extra / _PROBE_SHARE))
         size.plain_steps_left = size.backoff
@@ -507,7 +515,13 @@ class SpecPolicy:
         the draft cache) and cost more than the steps of a run that follow, and a
         run's steps are what the choice to keep speculating is about (probes alone would
         otherwise be judged by their switching cost, and hold speculation off where runs of
-        it pay)."""
+        it pay). A probe's steps are summed up (`back_off` weighs the next probe by them)."""
+        size = self.at(requests)
+        if speculative and self.probing and size.probe_seconds is not None:
+            size.probe_seconds += seconds
+            if size.probe_steps_left == 0:  # the probe's last step
+                size.probe_extra = size.probe_seconds / self.plain_s(requests) - _PROBE_STEPS
+                size.probe_seconds = None
         self.run_length = self.run_length + 1 if speculative else 0
         if self.run_length > _WARM_STEPS:
             self.at(requests).spec_scale.add(seconds, self.predicted_s)

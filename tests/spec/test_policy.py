@@ -172,6 +172,31 @@ def test_probes_are_rare_where_a_speculative_step_costs_many_plain_ones():
     assert _PROBE_STEPS * (ratio - 1) <= plain / 32 < _PROBE_STEPS * (ratio - 1) + 1 / 32
 
 
+def test_a_back_off_is_weighed_by_the_last_probe_s_whole_time():
+    """At 16 requests speculation loses; a probe's first step also catches the drafter up on
+    the context of the plain steps before it, at 30 plain steps' time. The back-off after
+    that probe is long enough that its extra time, catch-up included, is 1/32 of it (where
+    its speculative steps alone would allow one 6x shorter)."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _forecast_gain(policy, requests=16, gain=0.9)
+    _plain_steps_at(policy, 16, 1.0)
+    policy.back_off(16)
+    plain = policy.cost.target_s(16)
+    spec = policy.cost.draft_s(16) + policy.cost.target_s(16 * 9)
+    probe_steps = 0
+    while probe_steps < _PROBE_STEPS:
+        drafted = policy.should_draft(16)
+        catch_up = 30 * plain if drafted and probe_steps == 0 else 0.0
+        probe_steps += drafted
+        policy.predicted_s = spec
+        policy.observe_step(drafted, 16, spec + catch_up if drafted else plain)
+    assert not policy.should_draft(16)  # the verdict after the probe: a back-off
+    steps_alone = _PROBE_STEPS * (spec / plain - 1)
+    assert policy.at(16).probe_extra == pytest.approx(30 + steps_alone)
+    assert policy.at(16).backoff == math.ceil(32 * (30 + steps_alone))
+    assert policy.at(16).backoff > 6 * 32 * steps_alone
+
+
 def test_speculation_that_pays_is_found_after_a_cold_start():
     """Speculative steps at 1.9x their profile (2.9 ms for a 15-node tree) commit 2.4 tokens
     against plain steps' one per 1.37 ms: speculation pays. The first three speculative steps
