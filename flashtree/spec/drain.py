@@ -83,8 +83,9 @@ class DrainWatch:
         room, so any that finishes is replaced."""
         if others_wait or requests > self.last_batch:
             self.draining = False
-        elif requests < self.last_batch:
+        elif requests < self.last_batch and not self.draining:
             self.draining = True
+            self._verdict_steps_left = 0  # a new drain: no verdict of an earlier one holds
         self.last_batch = requests
 
     def count(self, seq_id: int, committed: int) -> None:

@@ -90,6 +90,20 @@ def test_aligned_requests_that_would_end_apart_decode_plain():
     assert _watch_with_paces([0.5, 0.25] * 4).speculation_pays([128], spec_s, plain_s)
 
 
+def test_a_new_drain_takes_a_new_verdict():
+    """A verdict is kept for a few steps of one drain, not into the next one."""
+    watch = _watch_with_paces([0.5, 0.25] * 4)
+    watch.note_batch(16, others_wait=False)
+    watch.note_batch(8, others_wait=False)
+    assert not watch.speculation_pays([128] * 8, lambda n: 2.2, lambda n: 1.0)
+    watch.paces = _watch_with_paces([1 / 3] * 8).paces
+    assert not watch.speculation_pays([127] * 8, lambda n: 2.2, lambda n: 1.0)  # kept
+    watch.note_batch(16, others_wait=True)
+    watch.note_batch(8, others_wait=False)
+    assert watch.draining
+    assert watch.speculation_pays([128] * 8, lambda n: 2.2, lambda n: 1.0)
+
+
 def test_too_few_paces_do_not_hold_speculation_off():
     watch = _watch_with_paces([0.5, 0.25] * 4)
     watch.paces.popleft()
