@@ -73,7 +73,7 @@ def _watch_with_paces(paces: list[float]) -> DrainWatch:
 def test_aligned_requests_that_would_end_apart_decode_plain():
     """Eight requests with 128 tokens left; a speculative step costs 2.2 plain ones whatever
     the batch (a small model on a GPU). Half of recent requests committed 2 tokens per
-    speculative step, half 4: on the mean pace, speculation commits a third faster, but the
+    speculative step, half 4: on the mean pace, speculation commits a fifth faster, but the
     batch waits for its slowest request, which almost surely went at 2 and ends after 64
     speculative steps (141 plain steps' time, against 128). Where every request goes at the
     mean pace, speculation ends it sooner; and one request alone never ends apart."""
