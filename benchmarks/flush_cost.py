@@ -36,7 +36,7 @@ def main() -> int:
     args = ap.parse_args()
     if min(args.prompts, args.tokens, args.concurrency, args.runs) < 1:
         ap.error("--prompts, --tokens, --concurrency and --runs must be >= 1")
-    SpecPolicy.should_draft = lambda self, requests: False  # held plain
+    SpecPolicy.should_draft = lambda self, requests, remaining=None: False  # held plain
     llm = LLM(model=args.model, device=args.device, draft=str(DEFAULT_DRAFTER_DIR),
               spec="ddtree", max_num_seqs=args.concurrency)
     engine, proposer = llm.engine, llm.engine.proposer

@@ -33,7 +33,7 @@ def engine(name: str, args: argparse.Namespace) -> LLM:
     policy = "fixed" if name == "fixed" else "adaptive"
     llm = LLM(draft=str(DEFAULT_DRAFTER_DIR), spec="ddtree", spec_policy=policy, **kw)
     if name == "held-plain":
-        llm.engine.speculative.policy.should_draft = lambda requests: False
+        llm.engine.speculative.policy.should_draft = lambda requests, remaining=None: False
     return llm
 
 

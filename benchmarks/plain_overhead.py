@@ -32,7 +32,7 @@ def main() -> int:
     if min(counts.values()) < 1:
         parser.error("must be >= 1: " + ", ".join(f"{k} (got {v})" for k, v in counts.items()
                                                  if v < 1))
-    SpecPolicy.should_draft = lambda self, requests: False  # every step plain
+    SpecPolicy.should_draft = lambda self, requests, remaining=None: False  # every step plain
     common = dict(model=args.model, device=args.device, max_num_seqs=args.concurrency)
     engines = {"none": LLM(**common),
                "held plain": LLM(draft=str(DEFAULT_DRAFTER_DIR), **common)}

@@ -52,7 +52,8 @@ def engine(variant: str, args: argparse.Namespace) -> LLM:
 def main() -> int:
     args, names = parse_args(__doc__.split("\n\n")[0], VARIANTS, concurrency=16, blocks=60,
                              block=16, engines="none,held")
-    SpecPolicy.should_draft = lambda self, requests: False  # drafter engines held plain
+    # Drafter engines held plain.
+    SpecPolicy.should_draft = lambda self, requests, remaining=None: False
     engines = {n: engine(n.split(".")[0], args) for n in names}
     measure(engines, args, max_tokens=args.blocks * args.block + 64)
     return 0
