@@ -25,7 +25,7 @@ _PACES = 64  # finished requests' paces kept
 _MIN_PACES = 8  # samples before a drain is judged (before, speculation is not held off)
 _DRAWS = 512  # paces drawn per verdict, over all scenarios (at least _MIN_SCENARIOS)
 _MIN_SCENARIOS = 8
-_KEPT_STEPS = 8  # steps a verdict is kept for while the batch size stays
+_KEPT_STEPS = 8  # decode steps a verdict is kept for while the batch size stays
 
 
 def finish_seconds(finish_steps: list[float], step_s: Callable[[int], float]) -> float:
@@ -81,6 +81,7 @@ class DrainWatch:
     def note_batch(self, requests: int, others_wait: bool) -> None:
         """A decode step of `requests`; `others_wait`: admitted requests are waiting for
         room, so any that finishes is replaced."""
+        self._verdict_steps_left = max(0, self._verdict_steps_left - 1)
         if others_wait or requests > self.last_batch:
             self.draining = False
         elif requests < self.last_batch and not self.draining:
@@ -114,16 +115,15 @@ class DrainWatch:
         """Whether speculating until the draining batch ends is expected to end it sooner
         than decoding plain; remaining[i]: tokens request i may still generate; spec_s(n),
         plain_s(n): seconds of a step of n requests. True with one request (nothing ends
-        apart) or too few paces measured. A verdict is kept for _KEPT_STEPS steps of one
-        batch size."""
+        apart) or too few paces measured. A verdict is kept for _KEPT_STEPS decode steps
+        (`note_batch` counts them) while the batch size stays."""
         n = len(remaining)
         if n == self._verdict_batch and self._verdict_steps_left > 0:
-            self._verdict_steps_left -= 1
             return self._verdict
         paces = self.samples()
         if n < 2 or len(paces) < _MIN_PACES:
             return True
         spec = expected_finish_seconds(remaining, paces, spec_s)
         self._verdict = spec <= finish_seconds([float(r) for r in remaining], plain_s)
-        self._verdict_batch, self._verdict_steps_left = n, _KEPT_STEPS - 1
+        self._verdict_batch, self._verdict_steps_left = n, _KEPT_STEPS
         return self._verdict

@@ -331,6 +331,9 @@ class SpecPolicy:
         if self.probing:
             if size.probe_steps_left == _PROBE_STEPS:
                 size.probe_seconds = 0.0
+            for other in self.sizes.values():  # a probe cut short elsewhere is not timed:
+                if other is not size:  # resumed, it would pay a second catch-up
+                    other.probe_seconds = None
             size.probe_steps_left = max(0, size.probe_steps_left - 1)
         elif self.forecast_pays(requests, 0.0 if size.speculating else self._margin()):
             if (self.drain.draining and remaining is not None

@@ -104,6 +104,20 @@ def test_a_new_drain_takes_a_new_verdict():
     assert watch.speculation_pays([128] * 8, lambda n: 2.2, lambda n: 1.0)
 
 
+def test_a_verdict_is_kept_for_eight_decode_steps_of_one_batch_size():
+    watch = _watch_with_paces([0.5, 0.25] * 4)
+    watch.note_batch(16, others_wait=False)
+    watch.note_batch(8, others_wait=False)
+    assert not watch.speculation_pays([128] * 8, lambda n: 2.2, lambda n: 1.0)
+    watch.paces = _watch_with_paces([1 / 3] * 8).paces
+    verdicts = []
+    for step in range(8):
+        watch.note_batch(8, others_wait=False)
+        verdicts.append(watch.speculation_pays([127 - step] * 8, lambda n: 2.2, lambda n: 1.0))
+    assert verdicts == [False] * 7 + [True]
+    assert watch.speculation_pays([120] * 7, lambda n: 2.2, lambda n: 1.0)  # another size
+
+
 def test_too_few_paces_do_not_hold_speculation_off():
     watch = _watch_with_paces([0.5, 0.25] * 4)
     watch.paces.popleft()

@@ -197,6 +197,30 @@ def test_a_back_off_is_weighed_by_the_last_probe_s_whole_time():
     assert policy.at(16).backoff > 6 * 32 * steps_alone
 
 
+def test_a_probe_cut_short_by_another_batch_size_is_not_timed():
+    """A probe at 16 runs one step, then the batch shrinks to 8 and 8's probe runs whole;
+    back at 16, the rest of 16's probe would pay a second catch-up, so it is not timed (16's
+    probe cost stays as it was), while 8's is."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    for requests in (16, 8):
+        _forecast_gain(policy, requests=requests, gain=0.9)
+        _plain_steps_at(policy, requests, 1.0)
+        policy.back_off(requests)
+        policy.at(requests).plain_steps_left = 0  # the probe is next
+
+    def step(requests: int) -> bool:
+        drafted = policy.should_draft(requests)
+        spec = policy.cost.draft_s(requests) + policy.cost.target_s(requests * 9)
+        policy.predicted_s = spec
+        policy.observe_step(drafted, requests, 5 * spec if drafted else spec)
+        return drafted
+
+    assert step(16) and policy.probing
+    assert all(step(8) for _ in range(_PROBE_STEPS))
+    assert all(step(16) for _ in range(_PROBE_STEPS - 1))
+    assert policy.at(8).probe_extra > 0 and policy.at(16).probe_extra == 0.0
+
+
 def test_speculation_that_pays_is_found_after_a_cold_start():
     """Speculative steps at 1.9x their profile (2.9 ms for a 15-node tree) commit 2.4 tokens
     against plain steps' one per 1.37 ms: speculation pays. The first three speculative steps
