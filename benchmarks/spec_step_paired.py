@@ -38,7 +38,7 @@ def engine(variant: str, args: argparse.Namespace) -> LLM:
         policy = llm.engine.speculative.policy
         decide, choose = policy.should_draft, policy.choose
 
-        def always_draft(requests: int, remaining: list[int] | None = None) -> bool:
+        def always_draft(requests: int, remaining=None) -> bool:
             # Plain step times, as a running engine has them (no step decodes plain here, and
             # a back-off drops them): without them should_draft returns before its forecast.
             scale = policy.at(requests).plain_scale

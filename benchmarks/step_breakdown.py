@@ -65,7 +65,7 @@ def force_runs(plain: int, speculative: int) -> dict:
     pattern = [False] * plain + [True] * speculative
     decided = {"steps": 0, "period": len(pattern), "plain": plain}
 
-    def should_draft(self, requests: int, remaining: list[int] | None = None) -> bool:
+    def should_draft(self, requests: int, remaining=None) -> bool:
         decided["steps"] += 1
         return pattern[(decided["steps"] - 1) % len(pattern)]
 

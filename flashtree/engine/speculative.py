@@ -84,8 +84,10 @@ class SpeculativeDecoder:
         room in the batch."""
         if self.policy is None:
             return True
-        remaining = None if others_wait else [s.max_total_len - s.num_tokens for s in seqs]
-        if not self.policy.should_draft(len(seqs), remaining):
+        def remaining() -> list[int]:  # tokens each request may still generate
+            return [s.max_total_len - s.num_tokens for s in seqs]
+
+        if not self.policy.should_draft(len(seqs), None if others_wait else remaining):
             return False
         if self.cfg.method == "ddtree":
             self.planner.choose_trees(seqs)

@@ -300,7 +300,8 @@ class SpecPolicy:
             size = self.sizes[bucket] = BatchSizeState()
         return size
 
-    def should_draft(self, requests: int, remaining: list[int] | None = None) -> bool:
+    def should_draft(self, requests: int,
+                     remaining: Callable[[], list[int]] | None = None) -> bool:
         """False (the step runs plain) during a back-off, and where the forecast from recent
         speculative steps (their accepted and verified drafts and measured step times, at this
         batch size) says a draft cannot pay for itself: a verdict, before drafting. A bucket
@@ -310,8 +311,9 @@ class SpecPolicy:
         asking the forecast, and commit what a plain step would (`probing`). Starting to
         speculate takes a forecast gain of `_margin()`, going on a break-even; a verdict
         against running speculation is taken again on fresh plain steps (`recheck`).
-        `remaining`: each request's tokens left to generate where no other request waits
-        (None where some do): in a draining batch, a step the forecast favours still runs
+        `remaining`: where no other request waits, a function giving each request's tokens
+        left to generate (None where some do; called only when a draining batch's verdict
+        needs them, not every step): in a draining batch, a step the forecast favours still runs
         plain where the batch is expected to end sooner that way (`DrainWatch`)."""
         self.drain.note_batch(requests, others_wait=remaining is None)
         size = self.at(requests)
@@ -337,7 +339,7 @@ class SpecPolicy:
             size.probe_steps_left = max(0, size.probe_steps_left - 1)
         elif self.forecast_pays(requests, 0.0 if size.speculating else self._margin()):
             if (self.drain.draining and remaining is not None
-                    and not self.drain.speculation_pays(remaining, self.spec_s, self.plain_s)):
+                    and not self.drain.speculation_pays(remaining(), self.spec_s, self.plain_s)):
                 return False
             size.backoff, size.speculating, size.rechecking = 0, True, False
         elif size.speculating and not size.rechecking and self.timed:

@@ -138,7 +138,7 @@ def test_a_draining_batch_decodes_plain_where_the_forecast_alone_would_speculate
         policy.drain = _watch_with_paces(paces)
         policy.drain.note_batch(16, others_wait=False)
         assert policy.forecast_pays(8)
-        assert policy.should_draft(8, None if others_wait else [128] * 8) is speculates
+        assert policy.should_draft(8, None if others_wait else lambda: [128] * 8) is speculates
 
 
 def test_the_engine_passes_tokens_left_once_no_request_waits(small_pair, tmp_path,
@@ -154,8 +154,8 @@ def test_the_engine_passes_tokens_left_once_no_request_waits(small_pair, tmp_pat
         if remaining is None:
             waited.append(bool(scheduler.waiting))
         else:
-            told.append(remaining)
-            assert remaining == [24 - len(s.output_ids) for s in scheduler.running]
+            told.append(remaining())
+            assert told[-1] == [24 - len(s.output_ids) for s in scheduler.running]
         return should_draft(policy, requests, remaining)
 
     monkeypatch.setattr(SpecPolicy, "should_draft", checking)

@@ -417,7 +417,7 @@ def test_seeded_sampling_with_speculation_returns_plain_samples(small_pair, spec
     assert sum(llm.engine.speculative.stats.accepted_per_pos) > 0  # drafts were accepted
 
 
-def _always_probe(policy: SpecPolicy, requests: int, remaining: list[int] | None) -> bool:
+def _always_probe(policy: SpecPolicy, requests: int, remaining) -> bool:
     """A should_draft that makes every decode step a probe's (each commits one token)."""
     policy.probing = True
     return True
