@@ -70,6 +70,11 @@ def _watch_with_paces(paces: list[float]) -> DrainWatch:
     return watch
 
 
+def _gpu_like_pays(watch: DrainWatch, remaining: list[int]) -> bool:
+    """The verdict where a speculative step costs 2.2 plain ones at any batch size."""
+    return watch.speculation_pays(remaining, lambda n: 2.2, lambda n: 1.0)
+
+
 def test_aligned_requests_that_would_end_apart_decode_plain():
     """Eight requests with 128 tokens left; a speculative step costs 2.2 plain ones whatever
     the batch (a small model on a GPU). Half of recent requests committed 2 tokens per
@@ -77,52 +82,47 @@ def test_aligned_requests_that_would_end_apart_decode_plain():
     batch waits for its slowest request, which almost surely went at 2 and ends after 64
     speculative steps (141 plain steps' time, against 128). Where every request goes at the
     mean pace, speculation ends it sooner; and one request alone never ends apart."""
-    remaining = [128] * 8
+    assert not _gpu_like_pays(_watch_with_paces([0.5, 0.25] * 4), [128] * 8)
+    assert _gpu_like_pays(_watch_with_paces([1 / 3] * 8), [128] * 8)
+    assert _gpu_like_pays(_watch_with_paces([0.5, 0.25] * 4), [128])
 
-    def spec_s(n: int) -> float:
-        return 2.2
 
-    def plain_s(n: int) -> float:
-        return 1.0
-
-    assert not _watch_with_paces([0.5, 0.25] * 4).speculation_pays(remaining, spec_s, plain_s)
-    assert _watch_with_paces([1 / 3] * 8).speculation_pays(remaining, spec_s, plain_s)
-    assert _watch_with_paces([0.5, 0.25] * 4).speculation_pays([128], spec_s, plain_s)
+def _verdict_against_then_alike_paces() -> DrainWatch:
+    """A batch drained from 16 to 8 requests whose verdict, on paces far apart, is against
+    speculation; the paces then become alike (a fresh verdict would be for it)."""
+    watch = _watch_with_paces([0.5, 0.25] * 4)
+    watch.note_batch(16, others_wait=False)
+    watch.note_batch(8, others_wait=False)
+    assert not _gpu_like_pays(watch, [128] * 8)
+    watch.paces = _watch_with_paces([1 / 3] * 8).paces
+    return watch
 
 
 def test_a_new_drain_takes_a_new_verdict():
     """A verdict is kept for a few steps of one drain, not into the next one."""
-    watch = _watch_with_paces([0.5, 0.25] * 4)
-    watch.note_batch(16, others_wait=False)
-    watch.note_batch(8, others_wait=False)
-    assert not watch.speculation_pays([128] * 8, lambda n: 2.2, lambda n: 1.0)
-    watch.paces = _watch_with_paces([1 / 3] * 8).paces
-    assert not watch.speculation_pays([127] * 8, lambda n: 2.2, lambda n: 1.0)  # kept
+    watch = _verdict_against_then_alike_paces()
+    assert not _gpu_like_pays(watch, [127] * 8)  # kept
     watch.note_batch(16, others_wait=True)
     watch.note_batch(8, others_wait=False)
     assert watch.draining
-    assert watch.speculation_pays([128] * 8, lambda n: 2.2, lambda n: 1.0)
+    assert _gpu_like_pays(watch, [128] * 8)
 
 
 def test_a_verdict_is_kept_for_eight_decode_steps_of_one_batch_size():
-    watch = _watch_with_paces([0.5, 0.25] * 4)
-    watch.note_batch(16, others_wait=False)
-    watch.note_batch(8, others_wait=False)
-    assert not watch.speculation_pays([128] * 8, lambda n: 2.2, lambda n: 1.0)
-    watch.paces = _watch_with_paces([1 / 3] * 8).paces
+    watch = _verdict_against_then_alike_paces()
     verdicts = []
     for step in range(8):
         watch.note_batch(8, others_wait=False)
-        verdicts.append(watch.speculation_pays([127 - step] * 8, lambda n: 2.2, lambda n: 1.0))
+        verdicts.append(_gpu_like_pays(watch, [127 - step] * 8))
     assert verdicts == [False] * 7 + [True]
-    assert watch.speculation_pays([120] * 7, lambda n: 2.2, lambda n: 1.0)  # another size
+    assert _gpu_like_pays(watch, [120] * 7)  # another size
 
 
 def test_too_few_paces_do_not_hold_speculation_off():
     watch = _watch_with_paces([0.5, 0.25] * 4)
     watch.paces.popleft()
     assert len(watch.samples()) < _MIN_PACES
-    assert watch.speculation_pays([128] * 8, lambda n: 2.2, lambda n: 1.0)
+    assert _gpu_like_pays(watch, [128] * 8)
 
 
 def test_a_draining_batch_decodes_plain_where_the_forecast_alone_would_speculate():
