@@ -400,10 +400,10 @@ class SpecPolicy:
         from before a back-off can be a slower machine's (a GPU's first seconds, another
         process), and such times at 16 requests on the GPU made speculation look like it paid
         a fifth where it lost up to 7%."""
-        samples = self.at(requests).spec_scale.samples
+        size = self.at(requests)
+        samples = size.spec_scale.samples
         cheapest = (min(samples) if samples else self._factor(requests, _spec_scale)
                     ) * self.spec_profile_s(requests)
-        size = self.at(requests)
         probe_extra = max(_PROBE_STEPS * (cheapest / self.plain_s(requests) - 1),
                           size.probe_extra)
         size.backoff = max(min(max(_MIN_BACKOFF, 2 * size.backoff), _MAX_BACKOFF),
@@ -530,9 +530,9 @@ class SpecPolicy:
                 size.probe_seconds = None
         self.run_length = self.run_length + 1 if speculative else 0
         if self.run_length > _WARM_STEPS:
-            self.at(requests).spec_scale.add(seconds, self.predicted_s)
+            size.spec_scale.add(seconds, self.predicted_s)
         elif not speculative:
-            self.at(requests).plain_scale.add(seconds, self.cost.target_s(requests))
+            size.plain_scale.add(seconds, self.cost.target_s(requests))
 
     def observe_speculation(self, requests: int, verified: float, accepted: float) -> None:
         """A speculative step verified `verified` and accepted `accepted` drafts over
