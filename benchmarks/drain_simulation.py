@@ -72,6 +72,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=400)
     args = ap.parse_args()
+    if args.trials < 1:
+        ap.error(f"--trials must be a positive integer, not {args.trials}")
     rng = random.Random(0)
     print(f"`python benchmarks/drain_simulation.py --trials {args.trials}`: {TOKENS_LEFT} tokens "
           f"left per request, a speculative step {SPEC_OVER_PLAIN}x a plain one at any batch "
