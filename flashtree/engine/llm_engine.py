@@ -144,7 +144,9 @@ class LLMEngine:
             shapes += [(mode, b + 1, max_rows) for b in budgets]
             assert self.proposer is not None
             self.proposer.capture_graphs(dims, buckets, spec_cfg.block_size, max_rows)
-        self.runner.capture_graphs(dims, buckets, shapes)
+        self.runner.capture_graphs(
+            dims, buckets, shapes,
+            decode_context_writer=None if self.proposer is None else self.proposer.write_context)
 
     def _cost_model(self, spec_cfg: SpecConfig, drafter: DFlashDraftModel) -> CostModel:
         """The adaptive policy's step costs: cached for this shape of models and machine, else
@@ -244,7 +246,8 @@ class LLMEngine:
     def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
         """Prefill chunks or one plain decode token per request. With a drafter, the new
         tokens' context features go to the draft KV cache before the next draft: the first
-        token of a prompt does not wait for them, nor does a plain step the policy chose."""
+        token of a prompt does not wait for them, nor does a plain step the policy chose
+        (a decode graph writes them itself, and returns none)."""
         mode = Mode.DECODE if chunks[0].decode else Mode.PREFILL
         items = [
             BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),

@@ -5,6 +5,8 @@ in the padded layout (no host read of device data) and need a backend without a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashtree.attention.backend import AttentionBackend, AttentionMetadata
@@ -48,15 +50,28 @@ def static_metadata(key: GraphKey, static: dict[str, torch.Tensor], page_size: i
     )
 
 
+# Writes context rows' K/V to a drafter's cache: (features [n, F], positions [n], slots [n]).
+ContextWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+
+
 class TargetForward:
     """DECODE, VERIFY_CHAIN, VERIFY_TREE and PREFILL: the target over the paged cache ->
     (float32 logits of the scored rows [num_scored, vocab], captured layer outputs
-    [batch * tokens, len(capture_layers) * hidden] or None)."""
+    [batch * tokens, len(capture_layers) * hidden] or None).
+
+    With a `decode_context_writer`, DECODE writes its tokens' captured outputs to the drafter's
+    cache itself, at the batch's positions and slots (padding rows: the scratch slot), and
+    returns None for them: a plain step keeps the drafter's context at no host cost, where
+    returning the features costs a copy, rows held until the next draft and that draft's
+    catch-up over all of them (a few percent of a launch-bound plain step's time)."""
 
     def __init__(self, model: DecoderModel, backend: AttentionBackend,
-                 capture_layers: tuple[int, ...] = (), gather_logits: bool = True) -> None:
+                 capture_layers: tuple[int, ...] = (), gather_logits: bool = True,
+                 decode_context_writer: ContextWriter | None = None) -> None:
         self.model, self.backend = model, backend
         self.capture_layers, self.gather_logits = capture_layers, gather_logits
+        assert decode_context_writer is None or capture_layers, "context needs captured layers"
+        self.decode_context_writer = decode_context_writer
 
     @torch.inference_mode()
     def __call__(self, key: GraphKey, static: dict[str, torch.Tensor]
@@ -67,6 +82,9 @@ class TargetForward:
                                       self.capture_layers)
         features = torch.cat(captured, dim=-1) if captured else None
         logits = self.model.compute_logits(hidden[static["logit_rows"]], self.gather_logits)
+        if key.mode == GraphMode.DECODE and self.decode_context_writer is not None:
+            self.decode_context_writer(features, static["positions"], static["slot_mapping"])
+            features = None
         return logits, features
 
 

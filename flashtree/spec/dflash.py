@@ -99,7 +99,7 @@ class DFlashProposer:
         # Injections of up to _GRAPH_CONTEXT_ROWS context rows (a step's accepted tokens;
         # longer prompt chunks run eagerly) replay graphs too, captured here for every row
         # bucket; padding rows write to the scratch slot.
-        writer = RowGraphs(self._write_context, batch_buckets(min(max_rows, _GRAPH_CONTEXT_ROWS)),
+        writer = RowGraphs(self.write_context, batch_buckets(min(max_rows, _GRAPH_CONTEXT_ROWS)),
                            self.device, self.graphs.use_cuda_graphs,
                            pads=(None, 0, dims.scratch_slot))
         width = self.draft.fc.weight.shape[1]  # the concatenated target-layer features
@@ -148,7 +148,7 @@ class DFlashProposer:
         if self._context_writer is not None:
             self._context_writer(features, positions, slots)
         else:
-            self._write_context(features, positions, slots)
+            self.write_context(features, positions, slots)
 
     def _placement(self, rows: ContextRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Device positions and draft-cache slots ([rows] each) of `rows`."""
@@ -180,9 +180,10 @@ class DFlashProposer:
             mask = mask.repeat_interleave(torch.frombuffer(counts, dtype=torch.int64))
         return torch.nonzero(~mask).squeeze(1)
 
-    def _write_context(self, features: torch.Tensor, positions: torch.Tensor,
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor) -> tuple[()]:
-        """features [n, F], positions [n], slots [n] -> the n rows' K/V in every draft layer."""
+        """features [n, F], positions [n], slots [n] -> the n rows' K/V in every draft layer
+        (also captured inside the target's decode graphs: `ModelRunner.capture_graphs`)."""
         for layer, (k, v) in enumerate(self.draft.context_kv(features, positions)):
             self.cache.write(layer, slots, k, v)
         return ()

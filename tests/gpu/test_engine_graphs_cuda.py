@@ -1,7 +1,8 @@
 """On a CUDA device the engine replays CUDA graphs for decode, prompt chunks, draft and verify
 by default: its tokens equal the eager engine's (`enforce_eager=True`) for plain, DFlash and
 DDTree decoding, fixed and adaptive budgets, greedy and seeded sampling, with batches that run
-padded in a larger bucket. Skips without CUDA."""
+padded in a larger bucket; its decode graphs keep the drafter's context as the eager engine's
+deferred rows do. Skips without CUDA."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.graphs.schema import GraphMode
+from flashtree.spec.policy import SpecPolicy
 from tests.tiny import TINY_PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -42,3 +44,34 @@ def test_graph_engine_equals_eager_engine(small_pair, spec, policy, temperature)
         assert graphed.engine.proposer.graphs is not None
     assert _tokens(graphed, params) == _tokens(LLM(**kw, enforce_eager=True), params)
     assert graphed.engine.pages.num_free == graphed.engine.pages.num_pages
+
+
+def test_decode_graphs_write_the_drafters_context(small_pair, monkeypatch):
+    """A drafter engine's decode graphs write their tokens' context K/V to the draft cache
+    themselves (no features come back to be deferred): after plain steps, the draft cache
+    holds at every request's committed slots what the eager engine's deferred rows inject."""
+    monkeypatch.setattr(SpecPolicy, "should_draft", lambda self, requests, remaining=None: False)
+    target, drafter = map(str, small_pair)
+    kw = dict(model=target, draft=drafter, spec="ddtree", device="cuda", dtype="float32",
+              skip_tokenizer_init=True, page_size=4, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    caches = []
+    for llm in (LLM(**kw), LLM(**kw, enforce_eager=True)):
+        engine = llm.engine
+        seqs = [engine.add_request(p, params) for p in PROMPTS]
+        for _ in range(12):  # the prompts, then plain decode steps
+            engine.step()
+        assert all(s.num_computed > len(s.prompt_ids) + 8 for s in seqs)
+        deferred = engine.proposer.deferred_rows
+        engine.proposer.flush()  # as the next draft would
+        slots = torch.tensor([v for s in seqs for v in engine.pages.slots(s.seq_id, 0,
+                                                                          s.num_computed)],
+                             device="cuda")
+        caches.append((deferred, engine.proposer.cache.k[:, slots],
+                       engine.proposer.cache.v[:, slots]))
+    (graph_deferred, *graph_kv), (eager_deferred, *eager_kv) = caches
+    assert graph_deferred == sum(map(len, PROMPTS))  # the prompts' rows alone
+    assert eager_deferred > graph_deferred
+    for got, expected in zip(graph_kv, eager_kv):
+        assert expected.abs().amax() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -810,7 +810,7 @@ def test_deferred_context_rows_skip_requests_freed_since(small_pair, tmp_path, m
         pages.set_length(seq_id, 4)
     old_slots = {seq_id: pages.slots(seq_id, 0, 4) for seq_id in (5, 6, 7)}
     written = []
-    monkeypatch.setattr(proposer, "_write_context",
+    monkeypatch.setattr(proposer, "write_context",
                         lambda f, pos, slots: written.append((pos.tolist(), slots.tolist())))
     proposer.defer(rows([(5, 0, 3), (6, 0, 2), (7, 0, 1)]))
     pages.free(6)  # finished
