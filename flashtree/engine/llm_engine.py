@@ -146,7 +146,7 @@ class LLMEngine:
             self.proposer.capture_graphs(dims, buckets, spec_cfg.block_size, max_rows)
         self.runner.capture_graphs(
             dims, buckets, shapes,
-            decode_context_writer=None if self.proposer is None else self.proposer.write_context)
+            context_writer=None if self.proposer is None else self.proposer.write_context)
 
     def _cost_model(self, spec_cfg: SpecConfig, drafter: DFlashDraftModel) -> CostModel:
         """The adaptive policy's step costs: cached for this shape of models and machine, else
@@ -247,7 +247,7 @@ class LLMEngine:
         """Prefill chunks or one plain decode token per request. With a drafter, the new
         tokens' context features go to the draft KV cache before the next draft: the first
         token of a prompt does not wait for them, nor does a plain step the policy chose
-        (a decode graph writes them itself, and returns none)."""
+        (a decode or prompt graph writes them itself, and returns none)."""
         mode = Mode.DECODE if chunks[0].decode else Mode.PREFILL
         items = [
             BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),

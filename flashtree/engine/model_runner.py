@@ -38,14 +38,14 @@ class ModelRunner:
 
     def capture_graphs(self, dims: GraphDims, buckets: list[int],
                        shapes: Iterable[tuple[GraphMode, int, int]],
-                       decode_context_writer: ContextWriter | None = None) -> None:
+                       context_writer: ContextWriter | None = None) -> None:
         """Capture the target forward for every (mode, tokens per request, max rows) in
         `shapes` at every batch bucket of at most that many token rows. Needs a backend
         without a host-side plan and a cache slot no request owns (dims.scratch_slot).
-        `decode_context_writer`: replayed decode steps write the drafter's context themselves
-        and return no features (`TargetForward`); eager ones still return them."""
+        `context_writer`: replayed decode steps and prompt chunks write the drafter's context
+        themselves and return no features (`TargetForward`); eager ones still return them."""
         forward = TargetForward(self.model, self.backend, self.capture_layers,
-                                decode_context_writer=decode_context_writer)
+                                context_writer=context_writer)
         self.graphs = GraphRunner(forward, dims, self.device, buckets)
         for mode, tokens, max_rows in shapes:
             self.graphs.capture(mode, tokens, max_rows)
@@ -58,10 +58,11 @@ class ModelRunner:
         """Write KV for every item's tokens; return float32 logits of the scored rows
         [num_scored, vocab] (this TP rank's vocab slice unless `gather_logits`) and, when capture
         layers are set, the concatenated outputs of those layers for every token
-        [num_tokens, len(capture_layers) * hidden] (None from a decode graph that wrote them to
-        the drafter's cache itself: `capture_graphs`). `device_inputs`: token ids and positions
-        [num_tokens] already on the device, read in place of the items' (which then give only
-        the counts): candidates built on the device need not visit the host."""
+        [num_tokens, len(capture_layers) * hidden] (None from a decode or prompt graph that
+        wrote them to the drafter's cache itself: `capture_graphs`). `device_inputs`: token
+        ids and positions [num_tokens] already on the device, read in place of the items'
+        (which then give only the counts): candidates built on the device need not visit the
+        host."""
         batch = ForwardBatch.build(mode, items, self.pages, self.device)
         if device_inputs is not None:
             batch.input_ids, batch.positions = device_inputs

@@ -59,19 +59,20 @@ class TargetForward:
     (float32 logits of the scored rows [num_scored, vocab], captured layer outputs
     [batch * tokens, len(capture_layers) * hidden] or None).
 
-    With a `decode_context_writer`, DECODE writes its tokens' captured outputs to the drafter's
-    cache itself, at the batch's positions and slots (padding rows: the scratch slot), and
-    returns None for them: a plain step keeps the drafter's context at no host cost, where
-    returning the features costs a copy, rows held until the next draft and that draft's
-    catch-up over all of them (a few percent of a launch-bound plain step's time)."""
+    With a `context_writer`, DECODE and PREFILL write their tokens' captured outputs to the
+    drafter's cache themselves, at the batch's positions and slots (padding rows: the scratch
+    slot), and return None for them: a plain step keeps the drafter's context at no host cost,
+    where returning the features costs a copy, rows held until the next draft and that draft's
+    catch-up over all of them (a few percent of a launch-bound plain step's time). Verify
+    steps return theirs: only the accepted nodes' become context."""
 
     def __init__(self, model: DecoderModel, backend: AttentionBackend,
                  capture_layers: tuple[int, ...] = (), gather_logits: bool = True,
-                 decode_context_writer: ContextWriter | None = None) -> None:
+                 context_writer: ContextWriter | None = None) -> None:
         self.model, self.backend = model, backend
         self.capture_layers, self.gather_logits = capture_layers, gather_logits
-        assert decode_context_writer is None or capture_layers, "context needs captured layers"
-        self.decode_context_writer = decode_context_writer
+        assert context_writer is None or capture_layers, "context needs captured layers"
+        self.context_writer = context_writer
 
     @torch.inference_mode()
     def __call__(self, key: GraphKey, static: dict[str, torch.Tensor]
@@ -82,8 +83,8 @@ class TargetForward:
                                       self.capture_layers)
         features = torch.cat(captured, dim=-1) if captured else None
         logits = self.model.compute_logits(hidden[static["logit_rows"]], self.gather_logits)
-        if key.mode == GraphMode.DECODE and self.decode_context_writer is not None:
-            self.decode_context_writer(features, static["positions"], static["slot_mapping"])
+        if self.context_writer is not None and key.mode in (GraphMode.DECODE, GraphMode.PREFILL):
+            self.context_writer(features, static["positions"], static["slot_mapping"])
             features = None
         return logits, features
 
