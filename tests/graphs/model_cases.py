@@ -28,13 +28,14 @@ BUCKETS = (2, 4)  # three requests run padded in the bucket of four
 
 def make_engine(root: Path, device: str) -> LLMEngine:
     """A tiny target with a two-kind drafter (sliding causal + bidirectional), prompts
-    prefilled: every request has context K/V in both caches."""
+    prefilled: every request has context K/V in both caches. Eager (no CUDA graphs of its
+    own), so that its forwards are the reference the graph runners here are checked against."""
     target = save_tiny_qwen3(root / "t", seed=5, vocab_size=11, initializer_range=0.3)
     drafter = save_reference_drafter(root / "d", target, seed=7, block_size=4,
                                      layer_types=["sliding_attention", "full_attention"],
                                      sliding_window=3, initializer_range=0.3)
     llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device=device,
-              dtype="float32", skip_tokenizer_init=True, page_size=4)
+              dtype="float32", skip_tokenizer_init=True, page_size=4, enforce_eager=True)
     engine = llm.engine
     for p in PROMPTS:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
