@@ -174,6 +174,42 @@ class DFlashDraftModel(nn.Module):
             out.append((norm_rotary(k, cos, sin, attn.k_norm), v))
         return out
 
+    def context_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer's K/V rows of its QKV projection stacked, layer by layer (k then v):
+        weight [layers * 2 * kv_heads * head_dim, hidden] and bias (or None), for
+        `write_context_kv`."""
+        weights, biases = [], []
+        for layer in self.layers:
+            proj = layer.self_attn.qkv_proj
+            q_size = proj.shard_sizes[0]
+            weights.append(proj.weight[q_size:])
+            biases.append(None if proj.bias is None else proj.bias[q_size:])
+        bias = None if biases[0] is None else torch.cat(biases)
+        return torch.cat(weights), bias
+
+    def write_context_kv(
+        self, features: torch.Tensor, positions: torch.Tensor,
+        projection: tuple[torch.Tensor, torch.Tensor | None], k_cache: torch.Tensor,
+        v_cache: torch.Tensor, slots: torch.Tensor,
+    ) -> None:
+        """`context_kv` written to rows `slots` of every layer's cache (CUDA): one projection
+        for all layers (`context_projection()`) and one norm-rope-and-write kernel per layer,
+        where `context_kv` and the writes take four launches per layer.
+        features: [n, F]; positions, slots: [n]; caches: [layers, cache slots, kv_heads, dim]."""
+        from flashtree.layers.fused import norm_rope_to_cache
+
+        ctx = self.hidden_norm(self.fc(features))  # [n, hidden]
+        cos, sin = self.rotary.cos_sin(positions)
+        attn = self.layers[0].self_attn
+        kv = F.linear(ctx, *projection).view(  # [n, layers, k heads then v heads, head_dim]
+            ctx.shape[0], len(self.layers), 2 * attn.num_kv_heads, attn.head_dim)
+        for i, layer in enumerate(self.layers):
+            k, v = kv[:, i].chunk(2, dim=1)
+            norm = layer.self_attn.k_norm
+            norm_rope_to_cache(k, v, cos, sin, k_cache[i], v_cache[i], slots,
+                               None if norm is None else norm.weight,
+                               0.0 if norm is None else norm.eps)
+
     def forward(
         self,
         block_embeds: torch.Tensor,

@@ -19,6 +19,7 @@ from flashtree.graphs.rows import RowGraphs
 from flashtree.graphs.runner import GraphRunner, batch_buckets
 from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache, PageTables
+from flashtree.layers import fused_kernels_apply
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
 from flashtree.transfer import host_to_device, lists_to_device, to_device
@@ -88,6 +89,8 @@ class DFlashProposer:
         self._ended_leases = pages.watch_ended_leases()  # since the last flush
         self.graphs: GraphRunner | None = None
         self._context_writer: RowGraphs | None = None
+        # The layers' K/V projections as one matrix, for the fused context write (CUDA).
+        self._context_projection = draft.context_projection() if device.type == "cuda" else None
 
     def capture_graphs(self, dims: GraphDims, buckets: list[int], block_size: int,
                        max_rows: int) -> None:
@@ -181,9 +184,15 @@ class DFlashProposer:
         return torch.nonzero(~mask).squeeze(1)
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor,
-                       slots: torch.Tensor) -> tuple[()]:
+                      slots: torch.Tensor) -> tuple[()]:
         """features [n, F], positions [n], slots [n] -> the n rows' K/V in every draft layer
-        (also captured inside the target's decode graphs: `ModelRunner.capture_graphs`)."""
+        (also captured inside the target's decode and prompt graphs:
+        `ModelRunner.capture_graphs`)."""
+        if fused_kernels_apply(features):
+            assert self._context_projection is not None and self.cache.v is not None
+            self.draft.write_context_kv(features, positions, self._context_projection,
+                                        self.cache.k, self.cache.v, slots)
+            return ()
         for layer, (k, v) in enumerate(self.draft.context_kv(features, positions)):
             self.cache.write(layer, slots, k, v)
         return ()

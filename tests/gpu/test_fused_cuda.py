@@ -2,7 +2,9 @@
 bf16, Llama and Qwen3 head dims), and whole models that run them (Llama, and Qwen3 with its
 q/k norm) against transformers on the same device: in float32 the logits agree to 1e-3, in
 bfloat16 flashtree's distance from the float32 reference is at most about transformers' own
-bf16 distance. Skips without CUDA or triton."""
+bf16 distance; the drafter's context K/V written by one projection and the fused
+norm-rope-to-cache kernel per layer equal its eager `context_kv`. Skips without CUDA or
+triton."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton", reason="needs triton")
 
+from flashtree import LLM  # noqa: E402
 from flashtree.models.loader import load_hf_model  # noqa: E402
 from tests.helpers import PagedHarness, load_reference, save_checkpoint  # noqa: E402
 from tests.layers.fused_cases import (  # noqa: E402
@@ -76,3 +79,31 @@ def test_model_logits_on_cuda_match_transformers(tmp_path, arch, overrides):
 @pytest.mark.parametrize("head_dim,with_norm", [(64, False), (12, True)])
 def test_norm_rope_to_cache_on_cuda(dtype, head_dim, with_norm):
     check_norm_rope_to_cache(dtype, "cuda", head_dim, with_norm)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_drafter_context_write_equals_context_kv(small_pair, dtype):
+    target, drafter = map(str, small_pair)
+    llm = LLM(model=target, draft=drafter, spec="ddtree", device="cuda", dtype=dtype,
+              skip_tokenizer_init=True, enforce_eager=True)
+    proposer = llm.engine.proposer
+    draft, cache = proposer.draft, proposer.cache
+    assert draft.layers[0].self_attn.k_norm is not None  # Qwen3 drafter: the norm runs too
+    generator = torch.Generator("cuda").manual_seed(0)
+    n = 37
+    features = torch.randn(n, draft.fc.weight.shape[1], device="cuda", generator=generator,
+                           dtype=cache.k.dtype)
+    positions = torch.randint(0, 200, (n,), device="cuda", generator=generator)
+    slots = torch.randperm(cache.k.shape[1], device="cuda", generator=generator)[:n]
+    k_cache, v_cache = torch.zeros_like(cache.k), torch.zeros_like(cache.v)
+    with torch.inference_mode():
+        draft.write_context_kv(features, positions, draft.context_projection(), k_cache,
+                               v_cache, slots)
+        expected = draft.context_kv(features, positions)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    for layer, (k, v) in enumerate(expected):
+        torch.testing.assert_close(k_cache[layer, slots], k, rtol=tol, atol=tol)
+        torch.testing.assert_close(v_cache[layer, slots], v, rtol=tol, atol=tol)
+    written = torch.zeros(cache.k.shape[1], dtype=torch.bool, device="cuda")
+    written[slots] = True
+    assert not k_cache[:, ~written].any() and not v_cache[:, ~written].any()
