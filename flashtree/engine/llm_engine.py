@@ -219,15 +219,18 @@ class LLMEngine:
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
         if self.speculative is None or not chunks[0].decode:
             return self._plain_step(chunks)
-        speculate = (self.speculative.wants_draft([c.seq for c in chunks],
-                                                  others_wait=bool(self.scheduler.waiting))
-                     and self._reserve_lookahead(chunks))
+        policy = self.speculative.policy
+        speculate = self.speculative.wants_draft([c.seq for c in chunks],
+                                                 others_wait=bool(self.scheduler.waiting))
+        if speculate and not self._reserve_lookahead(chunks):
+            speculate = False
+            if policy is not None:
+                policy.draft_refused(len(chunks))
         if speculate:
             done = self._speculative_step(chunks)
         else:
-            self.speculative.stats.record_budget(0, len(chunks))  # the policy chose plain
+            self.speculative.stats.record_budget(0, len(chunks))  # plain: chosen or forced
             done = self._plain_step(chunks)
-        policy = self.speculative.policy
         if policy is not None and policy.timed:
             policy.observe_step(speculate, len(chunks), time.perf_counter() - start)
         return done

@@ -282,6 +282,7 @@ class SpecPolicy:
     # some requests saves nothing there, and mixed trees leave the on-device DDTree path).
     one_budget: bool = False
     probing: bool = False  # the step should_draft last allowed is a probe's
+    probe_steps_before: int = 0  # its bucket's probe_steps_left before that step
     batch: Calibration = field(default_factory=Calibration)
     requests: dict[int, Calibration] = field(default_factory=dict)
     sizes: dict[int, BatchSizeState] = field(default_factory=dict)  # by batch_bucket
@@ -336,6 +337,7 @@ class SpecPolicy:
             for other in self.sizes.values():  # a probe cut short elsewhere is not timed:
                 if other is not size:  # resumed, it would pay a second catch-up
                     other.probe_seconds = None
+            self.probe_steps_before = size.probe_steps_left
             size.probe_steps_left = max(0, size.probe_steps_left - 1)
         elif self.forecast_pays(requests, 0.0 if size.speculating else self._margin()):
             if (self.drain.draining and remaining is not None
@@ -353,6 +355,17 @@ class SpecPolicy:
             return False
         size.spec_steps += 1
         return True
+
+    def draft_refused(self, requests: int) -> None:
+        """The step of `requests` that should_draft just allowed ran plain after all (the
+        engine could not reserve the pages its draft writes): it counts as a plain step, and
+        a probe's step it was is still to come. Counted as the probe's, it added no time to
+        the probe, and as the probe's last step it left the probe's cost unmeasured."""
+        size = self.at(requests)
+        size.spec_steps -= 1
+        if self.probing:
+            size.probe_steps_left = self.probe_steps_before
+            self.probing = False
 
     def _unmeasured_plain(self, size: BatchSizeState) -> bool:
         """Whether a bucket that has not speculated yet still times its own plain steps

@@ -197,6 +197,51 @@ def test_a_back_off_is_weighed_by_the_last_probe_s_whole_time():
     assert policy.at(16).backoff > 6 * 32 * steps_alone
 
 
+def test_a_probe_step_run_plain_for_want_of_pages_is_still_to_come():
+    """The engine runs a step the policy allowed plain when the pages its draft would write
+    are not free (`draft_refused`). Where that step was a probe's last, the probe still runs
+    its last speculative step after it, and its cost is measured from its speculative steps
+    alone (counted as the probe's, the plain step had added no time and ended the probe
+    unmeasured, and the verdict came a step early)."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _forecast_gain(policy, requests=16, gain=0.9)
+    _plain_steps_at(policy, 16, 1.0)
+    policy.back_off(16)
+    policy.at(16).plain_steps_left = 0  # the probe is next
+    plain = policy.cost.target_s(16)
+    spec = policy.cost.draft_s(16) + policy.cost.target_s(16 * 9)
+    for refused in [False] * (_PROBE_STEPS - 1) + [True, False]:
+        assert policy.should_draft(16) and policy.probing
+        if refused:
+            policy.draft_refused(16)
+            assert not policy.probing and policy.at(16).probe_steps_left == 1
+        policy.predicted_s = spec
+        policy.observe_step(not refused, 16, plain if refused else spec)
+    assert policy.at(16).probe_extra == pytest.approx(_PROBE_STEPS * (spec / plain - 1))
+    assert not policy.should_draft(16)  # the verdict after the probe: a back-off
+
+
+def test_the_engine_tells_the_policy_of_an_allowed_draft_it_runs_plain(small_pair, tmp_path,
+                                                                        monkeypatch):
+    """Where the pages a draft writes are not free, a step the policy allowed runs plain,
+    and the engine says so (`draft_refused`), once per such step."""
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(SpecPolicy, "should_draft", _always_probe)
+    target, drafter = small_pair
+    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
+              skip_tokenizer_init=True, page_size=4)
+    engine, policy = llm.engine, llm.engine.speculative.policy
+    refused: list[int] = []
+    monkeypatch.setattr(policy, "draft_refused", refused.append)
+    monkeypatch.setattr(engine, "_reserve_lookahead", lambda chunks: False)
+    seq = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5,
+                                                        ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.spec_accept_lengths == [1] * 4 and refused == [1] * 4  # the first: a prompt step
+    assert engine.speculative.stats.budgets == {0: 4}
+
+
 def test_a_probe_cut_short_by_another_batch_size_is_not_timed():
     """A probe at 16 runs one step, then the batch shrinks to 8 and 8's probe runs whole;
     back at 16, the rest of 16's probe would pay a second catch-up, so it is not timed (16's
