@@ -2,7 +2,7 @@
 
 The draft cache holds context K/V for exactly the committed tokens of each request (the same
 logical indices as the target cache, so one page table serves both). A draft block writes its
-own K/V as scratch past the committed length; the next context injection overwrites them."""
+own K/V as scratch past the committed length; the next context write overwrites them."""
 
 from __future__ import annotations
 
@@ -81,9 +81,10 @@ class DFlashProposer:
         self._layer_backends = [
             self._backends[kind] for kind in zip(cfg.layer_causal, cfg.layer_windows)
         ]
-        # Context rows of plain steps, injected together before the next draft (the drafter
-        # reads nothing in between): the first token of a prompt does not wait for its rows,
-        # and while the adaptive policy decodes plain the drafter costs nothing per step.
+        # Context rows of eager plain steps (graph-replayed ones write their own), injected
+        # together before the next draft (the drafter reads nothing in between): the first
+        # token of a prompt does not wait for its rows, and while the adaptive policy decodes
+        # plain the drafter costs nothing per step.
         self._deferred: list[ContextRows] = []
         self._deferred_rows = 0
         self._ended_leases = pages.watch_ended_leases()  # since the last flush
