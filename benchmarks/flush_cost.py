@@ -2,7 +2,8 @@
 engine held plain (its policy never drafts) runs the chat set, `--concurrency` requests at a
 time, until half of them have finished and later ones have started; then the context rows it
 deferred are injected into the draft cache (`DFlashProposer.flush`, as the next draft would),
-timed.
+timed. Only eager forwards defer rows: with CUDA graphs, decode steps and short prompt chunks
+write their own, and there is little or nothing left to flush.
 
     python benchmarks/flush_cost.py [--model default] [--prompts 16] [--tokens 48]
         [--concurrency 4] [--runs 3] [--device cpu]
