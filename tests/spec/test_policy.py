@@ -13,6 +13,7 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.engine import candidates
+from flashtree.engine.llm_engine import LLMEngine
 from flashtree.graphs.rows import RowGraphs
 from flashtree.spec.cost import load_profile, lower_envelope, save_profile
 from flashtree.spec.policy import (
@@ -225,12 +226,7 @@ def test_the_engine_tells_the_policy_of_an_allowed_draft_it_runs_plain(small_pai
                                                                         monkeypatch):
     """Where the pages a draft writes are not free, a step the policy allowed runs plain,
     and the engine says so (`draft_refused`), once per such step."""
-    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
-    monkeypatch.setattr(SpecPolicy, "should_draft", _always_probe)
-    target, drafter = small_pair
-    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
-              skip_tokenizer_init=True, page_size=4)
-    engine, policy = llm.engine, llm.engine.speculative.policy
+    engine, policy = _probing_engine(small_pair, tmp_path, monkeypatch)
     refused: list[int] = []
     monkeypatch.setattr(policy, "draft_refused", refused.append)
     monkeypatch.setattr(engine, "_reserve_lookahead", lambda chunks: False)
@@ -466,6 +462,17 @@ def _always_probe(policy: SpecPolicy, requests: int, remaining) -> bool:
     """A should_draft that makes every decode step a probe's (each commits one token)."""
     policy.probing = True
     return True
+
+
+def _probing_engine(small_pair, tmp_path, monkeypatch) -> tuple[LLMEngine, SpecPolicy]:
+    """An adaptive DDTree engine (CPU, pages of 4) whose every decode step is a probe's, and
+    its policy."""
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(SpecPolicy, "should_draft", _always_probe)
+    target, drafter = small_pair
+    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
+              skip_tokenizer_init=True, page_size=4)
+    return llm.engine, llm.engine.speculative.policy
 
 
 def test_probe_steps_measure_speculation_but_commit_as_plain_decoding(small_pair, tmp_path,
@@ -789,12 +796,7 @@ def test_tree_budgets_are_kept_for_a_few_steps_and_chosen_again_when_the_batch_c
     the first step after its requests change; the steps in between keep them. Only a step
     that chose reads its trees' reach (the next choice's input and the calibration's).
     Probe steps commit one token each, so the first request ends after a known step."""
-    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
-    monkeypatch.setattr(SpecPolicy, "should_draft", _always_probe)
-    target, drafter = small_pair
-    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
-              skip_tokenizer_init=True, page_size=4)
-    engine, policy = llm.engine, llm.engine.speculative.policy
+    engine, policy = _probing_engine(small_pair, tmp_path, monkeypatch)
     calls: list[tuple[str, tuple[int, ...]]] = []
     choose, note_reach = policy.choose, policy.note_reach
 
