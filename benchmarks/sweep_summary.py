@@ -1,7 +1,9 @@
 """Summary of a `benchmarks/concurrency_sweep.sh` output: per concurrency and spec, each run's
 (or each round's, for runs of several interleaved rounds) output throughput relative to `none`
-in the same run, their mean and range, the adaptive policy's mean budget, and one plot of
-throughput vs concurrency (mean, with the runs' range) beside the ratios to `none`.
+in the same run, their mean, minimum and the mean's 95% confidence interval (Student's t over
+the runs' ratios: where it holds 1.0, the runs do not tell the spec from `none`), the adaptive
+policy's mean budget, and one plot of throughput vs concurrency (mean, with the runs' range)
+beside the ratios to `none`.
 
     python benchmarks/sweep_summary.py OUT_DIR   # writes OUT_DIR/summary.md and summary.png
 """
@@ -19,6 +21,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashtree.bench.report import mean_budget, read_rows  # noqa: E402
 
 Key = tuple[str, int]  # (spec, concurrency)
+
+
+def mean_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """The `level` confidence interval of the ratios' mean (Student's t; None for one ratio)."""
+    from scipy import stats
+
+    if len(ratios) < 2:
+        return None
+    mean = statistics.mean(ratios)
+    half = (stats.t.ppf((1 + level) / 2, len(ratios) - 1) * statistics.stdev(ratios)
+            / len(ratios) ** 0.5)
+    return mean - half, mean + half
 
 
 def collect(out_dir: Path) -> tuple[list[str], dict[Key, dict[str, dict]]]:
@@ -47,8 +61,9 @@ def summarize(out_dir: Path) -> list[Path]:
     lines = ["# Concurrency sweep summary", "",
              f"Runs: {', '.join(runs)}. Output tokens/s relative to `none` in the same run "
              "(`flashtree bench` reports in each run's folders).", "",
-             "| concurrency | spec | " + " | ".join(runs) + " | mean | min | mean budget |",
-             "|---:|---|" + "---:|" * (len(runs) + 3)]
+             "| concurrency | spec | " + " | ".join(runs)
+             + " | mean | min | mean's 95% interval | mean budget |",
+             "|---:|---|" + "---:|" * (len(runs) + 4)]
     for c in levels:
         for spec in specs:
             by_run = rows.get((spec, c), {})
@@ -59,9 +74,11 @@ def summarize(out_dir: Path) -> list[Path]:
                        if (b := mean_budget(r.get("budget_histogram"))) is not None]
             budget = f"{statistics.mean(budgets):.1f}" if budgets else "-"
             cells = [f"{by_run[n]['speedup_vs_none']:.2f}" if n in by_run else "-" for n in runs]
+            interval = mean_interval(ratios)
+            shown = "-" if interval is None else f"{interval[0]:.2f} to {interval[1]:.2f}"
             lines.append(f"| {c} | {spec} | " + " | ".join(cells)
                          + f" | **{statistics.mean(ratios):.2f}** | {min(ratios):.2f} | "
-                         f"{budget} |")
+                         f"{shown} | {budget} |")
     plot = _plot(out_dir, specs, levels, rows)
     lines += ["", f"![throughput vs concurrency]({plot.name})", ""]
     summary = out_dir / "summary.md"

@@ -1,11 +1,13 @@
 """benchmarks/sweep_summary.py on synthetic sweep folders: per concurrency and spec, each run's
-ratio to `none`, their mean and minimum, the mean budget, and the plot."""
+ratio to `none`, their mean, minimum and 95% interval, the mean budget, and the plot."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,8 +39,9 @@ def test_summary_table_and_plot(tmp_path):
             (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary, plot = _module().summarize(tmp_path)
     lines = summary.read_text().splitlines()
-    assert "| 1 | ddtree | 0.90 | 1.10 | **1.00** | 0.90 | 0.5 |" in lines
-    assert "| 64 | ddtree | 1.10 | 0.50 | **0.80** | 0.50 | - |" in lines
+    # Two runs: t(0.975, 1 degree of freedom) = 12.706 standard errors either side.
+    assert "| 1 | ddtree | 0.90 | 1.10 | **1.00** | 0.90 | -0.27 to 2.27 | 0.5 |" in lines
+    assert "| 64 | ddtree | 1.10 | 0.50 | **0.80** | 0.50 | -3.01 to 4.61 | - |" in lines
     assert not any(line.startswith("| 1 | none") for line in lines)
     assert plot.stat().st_size > 0
 
@@ -52,4 +55,17 @@ def test_runs_of_several_rounds_are_summed_up_round_by_round(tmp_path):
     summary, _ = _module().summarize(tmp_path)
     text = summary.read_text()
     assert "Runs: run1.1, run1.2." in text
-    assert "| 4 | ddtree | 0.80 | 1.30 | **1.05** | 0.80 | - |" in text.splitlines()
+    assert "| 4 | ddtree | 0.80 | 1.30 | **1.05** | 0.80 | -2.13 to 4.23 | - |" in text.splitlines()
+
+
+def test_the_interval_narrows_with_runs_and_holds_none_only_within_noise():
+    """Student's t interval of the mean ratio against tabulated quantiles: 8 runs of a spec
+    2% below `none` with 1% spread exclude 1.0; 4 runs of 0.90-1.10 do not."""
+    interval = _module().mean_interval
+    assert interval([1.0]) is None
+    lo, hi = interval([0.97, 0.99] * 4)  # sd 0.010690, t(0.975, 7) = 2.3646
+    assert (lo, hi) == (pytest.approx(0.98 - 0.008937, abs=1e-5),
+                        pytest.approx(0.98 + 0.008937, abs=1e-5))
+    assert hi < 1.0
+    lo, hi = interval([0.9, 1.1, 0.95, 1.05])  # sd 0.091287, t(0.975, 3) = 3.1824
+    assert lo < 1.0 < hi and hi - 1.0 == pytest.approx(3.1824 * 0.091287 / 2, abs=1e-4)
