@@ -87,13 +87,15 @@ class RotaryEmbedding:
     model dtype (a plain attribute, so `module.to(dtype)` never touches it)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
-        self.inv_freq = rope_inv_freq(rope, head_dim).to(device)  # [head_dim / 2]
+        inv_freq = rope_inv_freq(rope, head_dim).to(device)  # [head_dim / 2]
+        self.inv_freq_twice = torch.cat((inv_freq, inv_freq))  # [head_dim] (rotate-half)
         self.scaling = rope_attention_scaling(rope)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [n] -> cos, sin: [n, 1, head_dim] float32
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        # positions: [n] -> cos, sin: [n, 1, head_dim] float32. The product promotes the
+        # integer positions to float32 in the kernel: three launches, no cast or concatenation
+        # of their own (a decode graph replays these every step).
+        emb = (positions.unsqueeze(-1) * self.inv_freq_twice).unsqueeze(1)
         if self.scaling == 1.0:
             return emb.cos(), emb.sin()
         return emb.cos() * self.scaling, emb.sin() * self.scaling

@@ -41,6 +41,18 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+
+@dataclass(frozen=True)
+class ContextProjection:
+    """The drafter's context K/V projection for all layers at once (`context_projection`):
+    weight [layers * 2 * kv_heads * head_dim, hidden] (each layer's k rows then v rows), bias
+    or None, the layers' key-norm weights [layers, head_dim] (None without) and their eps."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    key_norms: torch.Tensor | None = None
+    eps: float = 0.0
+
 @dataclass(frozen=True)
 class DFlashConfig:
     layers: ModelConfig  # geometry of the Qwen3-style draft layers
@@ -174,41 +186,41 @@ class DFlashDraftModel(nn.Module):
             out.append((norm_rotary(k, cos, sin, attn.k_norm), v))
         return out
 
-    def context_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every layer's K/V rows of its QKV projection stacked, layer by layer (k then v):
-        weight [layers * 2 * kv_heads * head_dim, hidden] and bias (or None), for
-        `write_context_kv`."""
-        weights, biases = [], []
+    def context_projection(self) -> ContextProjection:
+        """Every layer's K/V rows of its QKV projection stacked, layer by layer (k then v), and
+        the layers' key norms, for `write_context_kv`."""
+        weights, biases, norms = [], [], []
         for layer in self.layers:
-            proj = layer.self_attn.qkv_proj
-            q_size = proj.shard_sizes[0]
-            weights.append(proj.weight[q_size:])
-            biases.append(None if proj.bias is None else proj.bias[q_size:])
+            attn = layer.self_attn
+            q_size = attn.qkv_proj.shard_sizes[0]
+            weights.append(attn.qkv_proj.weight[q_size:])
+            biases.append(None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[q_size:])
+            norms.append(attn.k_norm)
         bias = None if biases[0] is None else torch.cat(biases)
-        return torch.cat(weights), bias
+        if norms[0] is None:
+            return ContextProjection(torch.cat(weights), bias)
+        assert len({n.eps for n in norms}) == 1, "the drafter's key norms differ in eps"
+        return ContextProjection(torch.cat(weights), bias,
+                                 torch.stack([n.weight for n in norms]), norms[0].eps)
 
     def write_context_kv(
-        self, features: torch.Tensor, positions: torch.Tensor,
-        projection: tuple[torch.Tensor, torch.Tensor | None], k_cache: torch.Tensor,
-        v_cache: torch.Tensor, slots: torch.Tensor,
+        self, features: torch.Tensor, positions: torch.Tensor, projection: ContextProjection,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     ) -> None:
         """`context_kv` written to rows `slots` of every layer's cache (CUDA): one projection
-        for all layers (`context_projection()`) and one norm-rope-and-write kernel per layer,
-        where `context_kv` and the writes take four launches per layer.
+        for all layers (`context_projection()`) and one norm-rope-and-write kernel for all
+        layers, where `context_kv` and the writes take four launches per layer.
         features: [n, F]; positions, slots: [n]; caches: [layers, cache slots, kv_heads, dim]."""
-        from flashtree.layers.fused import norm_rope_to_cache
+        from flashtree.layers.fused import norm_rope_to_layer_caches
 
         ctx = self.hidden_norm(self.fc(features))  # [n, hidden]
         cos, sin = self.rotary.cos_sin(positions)
         attn = self.layers[0].self_attn
-        kv = F.linear(ctx, *projection).view(  # [n, layers, k heads then v heads, head_dim]
+        kv = F.linear(ctx, projection.weight, projection.bias).view(
             ctx.shape[0], len(self.layers), 2 * attn.num_kv_heads, attn.head_dim)
-        for i, layer in enumerate(self.layers):
-            k, v = kv[:, i].chunk(2, dim=1)
-            norm = layer.self_attn.k_norm
-            norm_rope_to_cache(k, v, cos, sin, k_cache[i], v_cache[i], slots,
-                               None if norm is None else norm.weight,
-                               0.0 if norm is None else norm.eps)
+        k, v = kv.chunk(2, dim=2)  # [n, layers, kv_heads, head_dim] each
+        norm_rope_to_layer_caches(k, v, cos, sin, k_cache, v_cache, slots,
+                                  projection.key_norms, projection.eps)
 
     def forward(
         self,

@@ -77,8 +77,9 @@ def test_model_logits_on_cuda_match_transformers(tmp_path, arch, overrides):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,with_norm", [(64, False), (12, True)])
-def test_norm_rope_to_cache_on_cuda(dtype, head_dim, with_norm):
-    check_norm_rope_to_cache(dtype, "cuda", head_dim, with_norm)
+@pytest.mark.parametrize("layers", [0, 3])
+def test_norm_rope_to_cache_on_cuda(dtype, head_dim, with_norm, layers):
+    check_norm_rope_to_cache(dtype, "cuda", head_dim, with_norm, layers)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

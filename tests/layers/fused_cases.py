@@ -86,31 +86,40 @@ def check_norm_rope(dtype: torch.dtype, device: str, head_dim: int, with_norm: b
 
 
 def check_norm_rope_to_cache(dtype: torch.dtype, device: str, head_dim: int, with_norm: bool,
-                             seed: int = 0) -> None:
+                             layers: int = 0, seed: int = 0) -> None:
     """Keys roped (after the norm) straight into scattered cache rows and values copied beside
-    them; every other cache row keeps its contents."""
+    them; every other cache row keeps its contents. `layers` > 0: `norm_rope_to_layer_caches`
+    writes that many layers' caches at once, from one projection output holding every layer's
+    k and v rows (each layer its own norm weight), as the drafter's context write does."""
     torch.manual_seed(seed)
     n, kv_heads, slots_total, eps = 5, 2, 23, 1e-6
-    kv = torch.randn(n, 2 * kv_heads * head_dim, device=device).to(dtype)
-    k = kv[:, : kv_heads * head_dim].view(n, kv_heads, head_dim)
-    v = kv[:, kv_heads * head_dim:].view(n, kv_heads, head_dim)
-    k_cache = torch.randn(slots_total, kv_heads, head_dim, device=device).to(dtype)
-    v_cache = torch.randn(slots_total, kv_heads, head_dim, device=device).to(dtype)
+    count = max(layers, 1)
+    kv = torch.randn(n, count, 2 * kv_heads, head_dim, device=device).to(dtype)
+    k, v = kv.chunk(2, dim=2)  # [n, count, kv_heads, head_dim], strided
+    k_cache = torch.randn(count, slots_total, kv_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn(count, slots_total, kv_heads, head_dim, device=device).to(dtype)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     slots = torch.randperm(slots_total, device=device)[:n]
     emb = torch.rand(n, 1, head_dim // 2, device=device) * 100
     emb = torch.cat((emb, emb), dim=-1)
     cos, sin = emb.cos(), emb.sin()
-    weight = torch.randn(head_dim, device=device).to(dtype) if with_norm else None
-    fused.norm_rope_to_cache(k, v, cos, sin, k_cache, v_cache, slots, weight, eps)
-    source = _reference_norm(k, weight, eps) if weight is not None else k
-    ref_k, _ = apply_rotary_pos_emb(source.float().transpose(0, 1)[None],
-                                    source.float().transpose(0, 1)[None],
-                                    cos[None, :, 0], sin[None, :, 0])
-    torch.testing.assert_close(k_cache[slots], ref_k[0].transpose(0, 1).to(dtype),
-                               **TOLERANCE[dtype])
-    assert torch.equal(v_cache[slots], v)
+    weights = torch.randn(count, head_dim, device=device).to(dtype) if with_norm else None
+    if layers:
+        fused.norm_rope_to_layer_caches(k, v, cos, sin, k_cache, v_cache, slots, weights, eps)
+    else:
+        fused.norm_rope_to_cache(k[:, 0], v[:, 0], cos, sin, k_cache[0], v_cache[0], slots,
+                                 None if weights is None else weights[0], eps)
     others = torch.ones(slots_total, dtype=torch.bool, device=device)
     others[slots] = False
-    assert torch.equal(k_cache[others], before_k[others])
-    assert torch.equal(v_cache[others], before_v[others])
+    for layer in range(count):
+        source = k[:, layer]
+        if weights is not None:
+            source = _reference_norm(source, weights[layer], eps)
+        ref_k, _ = apply_rotary_pos_emb(source.float().transpose(0, 1)[None],
+                                        source.float().transpose(0, 1)[None],
+                                        cos[None, :, 0], sin[None, :, 0])
+        torch.testing.assert_close(k_cache[layer, slots], ref_k[0].transpose(0, 1).to(dtype),
+                                   **TOLERANCE[dtype])
+        assert torch.equal(v_cache[layer, slots], v[:, layer])
+        assert torch.equal(k_cache[layer, others], before_k[layer, others])
+        assert torch.equal(v_cache[layer, others], before_v[layer, others])

@@ -43,5 +43,6 @@ def test_norm_rope(dtype, head_dim, with_norm):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,with_norm", [(64, False), (12, True)])
-def test_norm_rope_to_cache(dtype, head_dim, with_norm):
-    check_norm_rope_to_cache(dtype, "cpu", head_dim, with_norm)
+@pytest.mark.parametrize("layers", [0, 3])
+def test_norm_rope_to_cache(dtype, head_dim, with_norm, layers):
+    check_norm_rope_to_cache(dtype, "cpu", head_dim, with_norm, layers)
