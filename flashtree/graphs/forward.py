@@ -63,8 +63,11 @@ class TargetForward:
     drafter's cache themselves, at the batch's positions and slots (padding rows: the scratch
     slot), and return None for them: a plain step keeps the drafter's context at no host cost,
     where returning the features costs a copy, rows held until the next draft and that draft's
-    catch-up over all of them (a few percent of a launch-bound plain step's time). Verify
-    steps return theirs: only the accepted nodes' become context."""
+    catch-up over all of them (a few percent of a launch-bound plain step's time). The write
+    runs on a stream of its own from the last captured layer on, joined before the forward
+    ends: in the graph it is a branch beside the target's last layers and LM head, whose
+    small kernels leave the device room for it. Verify steps return their features: only the
+    accepted nodes' become context."""
 
     def __init__(self, model: DecoderModel, backend: AttentionBackend,
                  capture_layers: tuple[int, ...] = (), gather_logits: bool = True,
@@ -73,20 +76,43 @@ class TargetForward:
         self.capture_layers, self.gather_logits = capture_layers, gather_logits
         assert context_writer is None or capture_layers, "context needs captured layers"
         self.context_writer = context_writer
+        self._write_stream: torch.cuda.Stream | None = None  # made on the first write
 
     @torch.inference_mode()
     def __call__(self, key: GraphKey, static: dict[str, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert key.mode != GraphMode.DRAFT, f"{key}: the target does not draft"
         self.backend.begin_forward(static_metadata(key, static, self.backend.cache.page_size))
+        writes = (self.context_writer is not None
+                  and key.mode in (GraphMode.DECODE, GraphMode.PREFILL))
+
+        def write(captured: list[torch.Tensor]) -> None:
+            self._fork_write(captured, static["positions"], static["slot_mapping"])
+
         hidden, captured = self.model(static["input_ids"], static["positions"], self.backend,
-                                      self.capture_layers)
-        features = torch.cat(captured, dim=-1) if captured else None
+                                      self.capture_layers, write if writes else None)
         logits = self.model.compute_logits(hidden[static["logit_rows"]], self.gather_logits)
-        if self.context_writer is not None and key.mode in (GraphMode.DECODE, GraphMode.PREFILL):
-            self.context_writer(features, static["positions"], static["slot_mapping"])
-            features = None
-        return logits, features
+        if writes:
+            if self._write_stream is not None:
+                # Joined while `captured` is still referenced: the write stream's reads of it
+                # are done before its memory can go to anything the main stream allocates next.
+                torch.cuda.current_stream().wait_stream(self._write_stream)
+            return logits, None
+        return logits, torch.cat(captured, dim=-1) if captured else None
+
+    def _fork_write(self, captured: list[torch.Tensor], positions: torch.Tensor,
+                    slots: torch.Tensor) -> None:
+        """The context write of the captured outputs [n, hidden] each, on the write stream
+        once the main stream has produced them (inline off CUDA)."""
+        assert self.context_writer is not None
+        if not captured[0].is_cuda:
+            self.context_writer(torch.cat(captured, dim=-1), positions, slots)
+            return
+        if self._write_stream is None:
+            self._write_stream = torch.cuda.Stream(captured[0].device)
+        self._write_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._write_stream):
+            self.context_writer(torch.cat(captured, dim=-1), positions, slots)
 
 
 class DraftForward:

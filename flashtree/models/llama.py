@@ -4,7 +4,7 @@ switched by ModelConfig flags."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -132,16 +132,22 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         backend: AttentionBackend,
         capture_layers: tuple[int, ...] = (),
+        on_captured: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions: [n] -> (final-normed hidden [n, hidden],
-        [output of layer i for i in capture_layers], each [n, hidden])."""
+        [output of layer i for i in capture_layers], each [n, hidden]). `on_captured` is
+        called with that list as soon as the last of those layers has run (work on it can
+        then overlap the layers after)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions)
         captured: dict[int, torch.Tensor] = {}
+        last = max(capture_layers, default=-1)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, backend)
             if i in capture_layers:
                 captured[i] = x
+                if i == last and on_captured is not None:
+                    on_captured([captured[j] for j in capture_layers])
         return self.norm(x), [captured[i] for i in capture_layers]
 
     def kv_cache_dims(self) -> tuple[int, int, int]:
