@@ -93,21 +93,18 @@ class TargetForward:
                                       self.capture_layers, write if writes else None)
         logits = self.model.compute_logits(hidden[static["logit_rows"]], self.gather_logits)
         if writes:
-            if self._write_stream is not None:
-                # Joined while `captured` is still referenced: the write stream's reads of it
-                # are done before its memory can go to anything the main stream allocates next.
-                torch.cuda.current_stream().wait_stream(self._write_stream)
+            assert self._write_stream is not None
+            # Joined while `captured` is still referenced: the write stream's reads of it are
+            # done before its memory can go to anything the main stream allocates next.
+            torch.cuda.current_stream().wait_stream(self._write_stream)
             return logits, None
         return logits, torch.cat(captured, dim=-1) if captured else None
 
     def _fork_write(self, captured: list[torch.Tensor], positions: torch.Tensor,
                     slots: torch.Tensor) -> None:
         """The context write of the captured outputs [n, hidden] each, on the write stream
-        once the main stream has produced them (inline off CUDA)."""
+        once the main stream has produced them."""
         assert self.context_writer is not None
-        if not captured[0].is_cuda:
-            self.context_writer(torch.cat(captured, dim=-1), positions, slots)
-            return
         if self._write_stream is None:
             self._write_stream = torch.cuda.Stream(captured[0].device)
         self._write_stream.wait_stream(torch.cuda.current_stream())

@@ -41,7 +41,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
-
 @dataclass(frozen=True)
 class ContextProjection:
     """The drafter's context K/V projection for all layers at once (`context_projection`):
@@ -52,6 +51,7 @@ class ContextProjection:
     bias: torch.Tensor | None = None
     key_norms: torch.Tensor | None = None
     eps: float = 0.0
+
 
 @dataclass(frozen=True)
 class DFlashConfig:

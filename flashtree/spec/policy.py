@@ -54,9 +54,10 @@ _PLAIN_PROBE = 64  # speculative steps in a row before one plain step re-measure
 _TRUSTED_PLAIN = 8  # plain steps from which a bucket's own plain step time is used; a
 # recheck (`SpecPolicy.recheck`) times as many
 # Speculative steps after plain ones whose times are not counted: the first one injects the
-# context rows plain steps deferred (eager engines) and runs the drafter cold; forced runs of
-# 40 plain then 8 speculative steps on an H200 put only that one above the run's steady time
-# (3.89 ms, then 3.18-3.23; `benchmarks/step_breakdown.py --forced-runs 40,8`).
+# context rows plain steps deferred (eager engines) and runs the drafter cold. Forced runs of
+# 40 plain then 8 speculative steps on an H200 (`benchmarks/step_breakdown.py --forced-runs
+# 40,8`) put that one 10-20% above the run's steady time, the next ones within 3%: 3.89 ms,
+# then 3.18-3.23 at 1 request; 4.43, then 4.14, 4.14 and 4.04-3.98 at 16.
 _WARM_STEPS = 1
 _PROBE_STEPS = _WARM_STEPS + 2  # a probe's speculative steps: two of them are timed
 
