@@ -236,15 +236,24 @@ def test_captured_hidden_states_match_transformers(case: Case):
 
     # The model itself: captured outputs come back in the order asked for, and its returned
     # hidden state is the final-normed one (transformers' last hidden_states entry).
+    # `on_captured` gets them once, as soon as the last of them (layer 2) has run.
     batch = ForwardBatch.build(
         Mode.PREFILL, [BatchItem(i, 0, p) for i, p in enumerate(prompts)], h.pages,
         torch.device("cpu"),
     )
+    ran, handed = [], []
+    hooks = [layer.register_forward_hook(lambda *_, i=i: ran.append(i))
+             for i, layer in enumerate(case.model.layers)]
     with torch.inference_mode():
         h.runner.backend.begin_forward(batch.attn)
         final, captured = case.model(
-            batch.input_ids, batch.positions, h.runner.backend, capture_layers=(2, 0)
+            batch.input_ids, batch.positions, h.runner.backend, capture_layers=(2, 0),
+            on_captured=lambda tensors: handed.append((list(ran), tensors)),
         )
+    for hook in hooks:
+        hook.remove()
+    assert [layers for layers, _ in handed] == [[0, 1, 2]] and ran == [0, 1, 2, 3]
+    assert all(a is b for a, b in zip(handed[0][1], captured, strict=True))
     assert len(captured) == 2
     for i, ref in enumerate(refs):
         torch.testing.assert_close(captured[0].split(sizes)[i], ref[3], atol=ATOL, rtol=1e-4)
