@@ -16,6 +16,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from scipy import stats
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashtree.bench.report import mean_budget, read_rows  # noqa: E402
@@ -25,8 +27,6 @@ Key = tuple[str, int]  # (spec, concurrency)
 
 def mean_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float] | None:
     """The `level` confidence interval of the ratios' mean (Student's t; None for one ratio)."""
-    from scipy import stats
-
     if len(ratios) < 2:
         return None
     mean = statistics.mean(ratios)
