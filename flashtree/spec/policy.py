@@ -182,15 +182,23 @@ class StepScale:
     waits."""
 
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=_SCALE_SAMPLES))
-    factor: float = 1.0  # the samples' median (kept current by add: read every step)
+    _median: float | None = None  # the samples' median, once asked for since the last add
 
     @property
     def seen(self) -> bool:
         return bool(self.samples)
 
+    @property
+    def factor(self) -> float:
+        """The samples' median (1 before any): computed when read, not at every add, as
+        plain steps during a back-off are timed but read none."""
+        if self._median is None:
+            self._median = statistics.median(self.samples) if self.samples else 1.0
+        return self._median
+
     def add(self, measured: float, predicted: float) -> None:
         self.samples.append(measured / max(predicted, 1e-9))
-        self.factor = statistics.median(self.samples)
+        self._median = None
 
 
 @dataclass
