@@ -7,7 +7,9 @@
 # Each run writes OUT_DIR/runK/{low,high}_concurrency/ (`flashtree bench` reports and plots);
 # OUT_DIR/summary.{md,png} then sums up every run there (benchmarks/sweep_summary.py).
 # Sizes can be changed through the environment: LOW_CONC, LOW_PROMPTS, LOW_TOKENS, HIGH_CONC,
-# HIGH_PROMPTS, HIGH_TOKENS; ROUNDS=R times each method R times per run, interleaved in one
+# HIGH_PROMPTS, HIGH_TOKENS (a prompt count per concurrency, or one for all: by default 24, 48
+# and 96 at 1, 4 and 16, so that a run at 16 lasts more than the H200 host's slow stretches,
+# where 24 prompts took 0.4 s); ROUNDS=R times each method R times per run, interleaved in one
 # process (`flashtree bench --rounds`); FIRST_RUN=K starts at run K (seed K, order rotated
 # K - 1 times), so that runs can be split between processes, e.g. one per GPU; HALF=low or
 # HALF=high runs that half alone.
@@ -37,7 +39,7 @@ fi
 for ((run = first; run < first + runs; run++)); do
     [[ $half == high ]] || flashtree bench --model "$model" --draft "$draft" --no-progress --dataset chat --seed "$run" \
         --spec "$(rotated $((run - 1)) "${low_specs[@]}")" --concurrency "${LOW_CONC:-1,4,16}" \
-        --num-prompts "${LOW_PROMPTS:-24}" --max-tokens "${LOW_TOKENS:-128}" \
+        --num-prompts "${LOW_PROMPTS:-24,48,96}" --max-tokens "${LOW_TOKENS:-128}" \
         --rounds "${ROUNDS:-1}" \
         --output-dir "$out/run$run/low_concurrency"
     [[ $half == low ]] || flashtree bench --model "$model" --draft "$draft" --no-progress --dataset chat --seed "$run" \

@@ -32,7 +32,9 @@ def _int_list(text: str) -> list[int]:
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="chat",
                    help=f"comma list of {', '.join(NAMED)} or FILE.jsonl")
-    p.add_argument("--num-prompts", type=int, default=64, help="requests per run")
+    p.add_argument("--num-prompts", type=_int_list, default=[64],
+                   help="requests per run: one number, or a comma list with one per "
+                        "--concurrency (e.g. longer runs where many requests run at once)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64],
@@ -90,9 +92,23 @@ def _header(args: argparse.Namespace, what: str) -> list[str]:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return [f"- command: `flashtree {shlex.join(sys.argv[1:])}`", f"- date: {now}",
             f"- machine: {platform.machine()}, {platform.system()}; {what}",
-            f"- {args.num_prompts} prompts per run, max_tokens {args.max_tokens}, temperature "
+            f"- {_runs(args)}, max_tokens {args.max_tokens}, temperature "
             f"{args.temperature}" + (f"; {args.rounds} interleaved rounds"
                                      if args.rounds > 1 else "")]
+
+
+def _prompt_counts(args: argparse.Namespace) -> list[int]:
+    """Requests per run at each of --concurrency (one --num-prompts stands for all)."""
+    counts = args.num_prompts
+    return counts * len(args.concurrency) if len(counts) == 1 else counts
+
+
+def _runs(args: argparse.Namespace) -> str:
+    counts = _prompt_counts(args)
+    if len(set(counts)) == 1:
+        return f"{counts[0]} prompts per run"
+    return (f"{' / '.join(map(str, counts))} prompts per run at concurrency "
+            f"{' / '.join(map(str, args.concurrency))}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -100,9 +116,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--output-dir DIR is required (results.jsonl, report.md, plots)")
     for name in args.dataset.split(","):
         check_dataset_name(name)
-    if args.num_prompts < 1 or args.max_tokens < 1:
-        raise ValueError(f"--num-prompts and --max-tokens must be >= 1, got {args.num_prompts} "
-                         f"and {args.max_tokens}")
+    if len(args.num_prompts) not in (1, len(args.concurrency)):
+        raise ValueError(f"--num-prompts has {len(args.num_prompts)} values for "
+                         f"{len(args.concurrency)} --concurrency values; give one, or one per "
+                         "concurrency")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     out = Path(args.output_dir)
@@ -123,8 +142,8 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
         raise ValueError("--spec dflash/ddtree need --draft DIR (the default model has its own "
                          "drafter; or use --spec none)")
     datasets = [d for d in args.dataset.split(",") if d]
-    bar = _progress(len(specs) * len(datasets) * len(args.concurrency) * args.num_prompts
-                    * args.rounds, not args.no_progress)
+    bar = _progress(len(specs) * len(datasets) * sum(_prompt_counts(args)) * args.rounds,
+                    not args.no_progress)
     rows = []
     if args.rounds == 1:  # one engine at a time
         for spec, method in zip(specs, methods):
@@ -133,9 +152,9 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
             device = llm.device
             for name in datasets:
                 prompts = _prompts(args, llm, name)
-                for c in args.concurrency:
-                    _warm_up(args, llm, prompts, c)
-                    rows.append(_timed_run(args, llm, spec, name, prompts, c, 1, bar))
+                for c, n in zip(args.concurrency, _prompt_counts(args)):
+                    _warm_up(args, llm, prompts[:n], c)
+                    rows.append(_timed_run(args, llm, spec, name, prompts[:n], c, 1, bar))
             del llm
             gc.unfreeze()  # the engine's own reference cycles can go now
     else:  # every engine loaded, the methods interleaved round by round
@@ -144,13 +163,13 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
         device = engines[0].device
         for name in datasets:
             prompts = _prompts(args, engines[0], name)
-            for c in args.concurrency:
+            for c, n in zip(args.concurrency, _prompt_counts(args)):
                 for llm in engines:
-                    _warm_up(args, llm, prompts, c)
+                    _warm_up(args, llm, prompts[:n], c)
                 for k in range(args.rounds):
                     for i in (j % len(specs) for j in range(k, k + len(specs))):
-                        rows.append(_timed_run(args, engines[i], specs[i], name, prompts, c,
-                                               k + 1, bar))
+                        rows.append(_timed_run(args, engines[i], specs[i], name, prompts[:n],
+                                               c, k + 1, bar))
     bar.close()
     what = f"device {device}, {torch.get_num_threads()} threads; model {args.model}" + (
         f", draft {args.draft}" if args.draft else "")
@@ -166,7 +185,8 @@ def _engine(args: argparse.Namespace, method: Method):
 
 
 def _prompts(args: argparse.Namespace, llm, name: str) -> list:
-    return load_dataset(name, args.num_prompts, args.seed, llm.model_config.vocab_size,
+    """The most prompts any run takes (runs with fewer take the first ones)."""
+    return load_dataset(name, max(args.num_prompts), args.seed, llm.model_config.vocab_size,
                         args.random_input_len)
 
 
@@ -245,15 +265,14 @@ def _bench_serving(args: argparse.Namespace, out: Path) -> int:
     from flashtree.bench.serving import run_serving
 
     datasets = [d for d in args.dataset.split(",") if d]
-    bar = _progress(len(datasets) * len(args.concurrency) * args.num_prompts,
-                    not args.no_progress)
+    bar = _progress(len(datasets) * sum(_prompt_counts(args)), not args.no_progress)
     rows = [r for r in read_rows(out / "results.jsonl") if r["spec"] != args.label]
     for name in datasets:
-        prompts = load_dataset(name, args.num_prompts, args.seed, args.vocab_size,
+        prompts = load_dataset(name, max(args.num_prompts), args.seed, args.vocab_size,
                                args.random_input_len)
-        for c in args.concurrency:
+        for c, n in zip(args.concurrency, _prompt_counts(args)):
             records, duration, accept = asyncio.run(run_serving(
-                args.base_url, args.served_model, prompts, c, args.max_tokens,
+                args.base_url, args.served_model, prompts[:n], c, args.max_tokens,
                 args.temperature, args.request_rate, args.seed, args.api_key, bar.update))
             failed = [r.error for r in records if r.error]
             if failed:

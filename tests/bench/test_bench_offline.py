@@ -76,27 +76,32 @@ def test_report_flags_slow_methods_and_plots_exist(sweep):
 
 def test_rounds_interleave_methods_and_take_speedups_within_a_round(tiny_chat_model, tmp_path):
     """--rounds 3: each method timed three times per concurrency, each row's speedup against
-    `none` of its own round; the report shows the rounds' mean and range."""
+    `none` of its own round; the report shows the rounds' mean and range. --num-prompts with
+    one count per concurrency: each run takes its own."""
     model, drafter = tiny_chat_model
     run = subprocess.run(
         [sys.executable, "-m", "flashtree", "bench", "--model", str(model), "--draft",
          str(drafter), "--spec", "none,ddtree", "--dataset", "random", "--random-input-len",
-         "8", "--num-prompts", "3", "--max-tokens", "5", "--concurrency", "2", "--rounds", "3",
+         "8", "--num-prompts", "2,3", "--max-tokens", "5", "--concurrency", "1,2", "--rounds", "3",
          "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert sorted((r["spec"], r["round"]) for r in rows) == [
-        (s, k) for s in ("ddtree", "none") for k in (1, 2, 3)]
-    none = {r["round"]: r["output_throughput"] for r in rows if r["spec"] == "none"}
+    assert sorted((r["spec"], r["concurrency"], r["round"]) for r in rows) == [
+        (s, c, k) for s in ("ddtree", "none") for c in (1, 2) for k in (1, 2, 3)]
+    assert {(r["concurrency"], r["completed"]) for r in rows} == {(1, 2), (2, 3)}
+    assert {r["total_output_tokens"] for r in rows} == {2 * 5, 3 * 5}  # random: ignore_eos
+    none = {(r["concurrency"], r["round"]): r["output_throughput"] for r in rows
+            if r["spec"] == "none"}
     ratios = []
+    rows = [r for r in rows if r["concurrency"] == 2]
     for r in rows:
-        assert r["completed"] == 3
-        ratios.append(r["output_throughput"] / none[r["round"]])
+        ratios.append(r["output_throughput"] / none[2, r["round"]])
         assert r["speedup_vs_none"] == pytest.approx(ratios[-1])
     ddtree = [x for r, x in zip(rows, ratios) if r["spec"] == "ddtree"]
     report = (tmp_path / "report.md").read_text()
     assert "3 interleaved rounds" in report
+    assert "2 / 3 prompts per run at concurrency 1 / 2" in report
     assert (f"{sum(ddtree) / 3:.2f} ({min(ddtree):.2f}-{max(ddtree):.2f})") in report
 
 
@@ -163,4 +168,7 @@ def test_bad_dataset_and_missing_draft_are_named(tmp_path):
     nodraft = run("--model", str(tmp_path), "--spec", "none,ddtree")  # not the default model
     assert nodraft.returncode == 2 and "--draft" in nodraft.stderr
     empty = run("--spec", "none", "--num-prompts", "0")
-    assert empty.returncode == 2 and "--num-prompts and --max-tokens must be >= 1" in empty.stderr
+    assert empty.returncode == 2 and "--num-prompts: values must be >= 1" in empty.stderr
+    counts = run("--spec", "none", "--num-prompts", "4,8,16", "--concurrency", "1,4")
+    assert counts.returncode == 2
+    assert "--num-prompts has 3 values for 2 --concurrency values" in counts.stderr
