@@ -172,6 +172,16 @@ class Calibration:
         self.predicted = _DECAY * self.predicted + predicted
 
 
+class ScaleLayout:
+    """A count of the changes that can move `SpecPolicy._factor`'s choice of bucket: a step
+    scale made (a new bucket's, or one that replaces older times) or given one of its first
+    _TRUSTED_PLAIN samples (whether it is seen, and trusted, depends on no later one). The
+    choice is remembered until the count moves: the forecast reads it twice a step, and the
+    search over buckets was a third of the policy's host time per speculative step."""
+
+    version = 0
+
+
 @dataclass
 class StepScale:
     """Measured over predicted seconds of recent engine steps of one kind (speculative or
@@ -196,9 +206,14 @@ class StepScale:
             self._median = statistics.median(self.samples) if self.samples else 1.0
         return self._median
 
+    def __post_init__(self) -> None:
+        ScaleLayout.version += 1
+
     def add(self, measured: float, predicted: float) -> None:
         self.samples.append(measured / max(predicted, 1e-9))
         self._median = None
+        if len(self.samples) <= _TRUSTED_PLAIN:
+            ScaleLayout.version += 1
 
 
 @dataclass
@@ -305,6 +320,11 @@ class SpecPolicy:
     reach: dict[int, list[float]] = field(default_factory=dict)  # per request: its last tree's
     recent_reach: list[float] | None = None  # raw gains per level, and their recent average
     drain: DrainWatch = field(default_factory=DrainWatch)
+    # _factor's and _measured's answers, with the ScaleLayout version they hold for.
+    _nearest: dict[tuple, tuple[int, StepScale | None]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    _seen: dict[Callable, tuple[int, bool]] = field(default_factory=dict, init=False,
+                                                    repr=False, compare=False)
 
     def at(self, requests: int) -> BatchSizeState:
         """The state of the bucket of a batch of `requests`."""
@@ -476,21 +496,35 @@ class SpecPolicy:
         bucket's factor overstates a larger one's steps (plain ones by a third, from 4 to 8
         requests on the GPU), and each tie is broken the way that errs towards decoding
         plain."""
-        bits = batch_bucket(requests).bit_length()
+        asked = (batch_bucket(requests), kind, trusted, larger_first)
+        known = self._nearest.get(asked)
+        if known is None or known[0] != ScaleLayout.version:
+            known = self._nearest[asked] = (ScaleLayout.version, self._nearest_scale(*asked))
+        scale = known[1]
+        return 1.0 if scale is None else scale.factor
+
+    def _nearest_scale(self, bucket: int, kind: Callable[[BatchSizeState], StepScale],
+                       trusted: int, larger_first: bool) -> StepScale | None:
+        """The scale whose factor `_factor` reads for a batch of this bucket."""
+        bits = bucket.bit_length()
         nearest, nearest_key = None, None
-        for bucket, size in self.sizes.items():
+        for other, size in self.sizes.items():
             scale = kind(size)
             if not scale.seen:
                 continue
-            key = (len(scale.samples) < trusted, abs(bucket.bit_length() - bits),
-                   -bucket if larger_first else bucket)
+            key = (len(scale.samples) < trusted, abs(other.bit_length() - bits),
+                   -other if larger_first else other)
             if nearest_key is None or key < nearest_key:
                 nearest, nearest_key = scale, key
-        return 1.0 if nearest is None else nearest.factor
+        return nearest
 
     def _measured(self, kind: Callable[[BatchSizeState], StepScale]) -> bool:
         """Whether steps of this kind have been measured at any bucket."""
-        return any(kind(size).seen for size in self.sizes.values())
+        known = self._seen.get(kind)
+        if known is None or known[0] != ScaleLayout.version:
+            known = self._seen[kind] = (ScaleLayout.version, any(
+                kind(size).seen for size in self.sizes.values()))
+        return known[1]
 
     def scale(self, seq_id: int) -> float:
         """Accepted per predicted draft for this request, shrunk towards the batch's ratio."""

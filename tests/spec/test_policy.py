@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ from flashtree.spec.policy import (
     _WARM_STEPS,
     CostModel,
     SpecPolicy,
+    _plain_scale,
+    _spec_scale,
     budget_levels,
     choose_budgets,
 )
@@ -694,6 +697,41 @@ def test_a_bucket_with_few_plain_steps_borrows_the_nearest_well_measured_times()
     _speculated(policy, requests=64, verified=8.0, accepted=1.0, time_factor=3.0,
                 steps=_PROBE_STEPS)  # a probe: two timed steps
     assert policy.spec_s(64) == pytest.approx(3.0 * policy.spec_profile_s(64))
+
+
+def test_the_remembered_choice_of_bucket_follows_every_change_of_the_step_times():
+    """`_factor` remembers which bucket's scale it reads until a scale is made or given one of
+    its first samples; after random steps, back-offs, rechecks and new buckets, its answer is
+    always the brute-force search's over all buckets."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    rng = random.Random(5)
+
+    def brute_force(requests: int, spec: bool, trusted: int, larger_first: bool) -> float:
+        bits = (1 << (requests - 1).bit_length()).bit_length()
+        ranked = sorted(
+            ((len(scale.samples) < trusted, abs(bucket.bit_length() - bits),
+              -bucket if larger_first else bucket), scale)
+            for bucket, size in policy.sizes.items()
+            for scale in [size.spec_scale if spec else size.plain_scale] if scale.samples)
+        return statistics.median(ranked[0][1].samples) if ranked else 1.0
+
+    for _ in range(3000):
+        requests = rng.choice([1, 2, 3, 5, 8, 16, 30])
+        event = rng.random()
+        if event < 0.05:
+            policy.back_off(requests)
+        elif event < 0.08:
+            policy.recheck(requests)
+        else:
+            policy.observe_step(event < 0.5, requests, rng.uniform(0.5, 2.0) * 1e-3)
+        asked = rng.choice([1, 2, 4, 7, 16, 32, 64])
+        for spec, trusted, larger_first in [(True, 1, False), (False, _TRUSTED_PLAIN, True),
+                                            (False, 1, False)]:
+            kind = _spec_scale if spec else _plain_scale
+            assert policy._factor(asked, kind, trusted, larger_first) == pytest.approx(
+                brute_force(asked, spec, trusted, larger_first))
+        assert policy._measured(_spec_scale) == any(
+            size.spec_scale.samples for size in policy.sizes.values())
 
 
 def test_a_new_bucket_times_its_own_plain_steps_before_its_first_verdict():
