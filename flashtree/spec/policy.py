@@ -177,7 +177,8 @@ class ScaleLayout:
     scale made (a new bucket's, or one that replaces older times) or given one of its first
     _TRUSTED_PLAIN samples (whether it is seen, and trusted, depends on no later one). The
     choice is remembered until the count moves: the forecast reads it twice a step, and the
-    search over buckets was a third of the policy's host time per speculative step."""
+    search over buckets took a fifth to a third of the policy's host time per speculative
+    step (`benchmarks/policy_host_time.py --against`)."""
 
     version = 0
 
