@@ -27,14 +27,16 @@ from flashtree.engine.candidates import _CHOICE_STEPS
 from flashtree.spec import policy as current
 from flashtree.spec.simulate import GPU_LIKE, chain_gains
 
-_WARM = 5  # a speculative step past the untimed ones after plain steps
-
 
 def policy_at(revision: str) -> ModuleType:
     """flashtree/spec/policy.py as of `revision`, loaded as a module of its own."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{revision}:flashtree/spec/policy.py"], cwd=root,
-                            capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run(["git", "show", f"{revision}:flashtree/spec/policy.py"], cwd=root,
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise ValueError(f"--against {revision!r}: git has no flashtree/spec/policy.py there "
+                         f"({shown.stderr.strip()})")
+    source = shown.stdout
     path = Path(tempfile.mkdtemp()) / "policy.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"policy_{revision}", path)
@@ -51,7 +53,7 @@ def time_steps(module: ModuleType, requests: int, seen: list[int], steps: int) -
     for size in seen:  # plain and speculative steps timed at this batch size
         for _ in range(module._TRUSTED_PLAIN):
             policy.observe_step(False, size, 1e-3)
-        policy.run_length = _WARM
+        policy.run_length = module._WARM_STEPS  # past the untimed steps of a run
         policy.observe_step(True, size, 3e-3)
     ids = list(range(requests))
     gains = chain_gains(0.7, policy.levels)
@@ -91,7 +93,10 @@ def main() -> int:
                      f"{args.steps}, {args.seen!r})")
     modules = {"this tree": current}
     if args.against:
-        modules[args.against] = policy_at(args.against)
+        try:
+            modules[args.against] = policy_at(args.against)
+        except ValueError as e:
+            parser.error(str(e))
     best = dict.fromkeys(modules, float("inf"))
     for _ in range(3):  # in turn, so that the machine's drift reaches every module
         for name, module in modules.items():
