@@ -28,7 +28,7 @@ from flashtree.spec.tree import (
     tree_from_levels,
 )
 from flashtree.spec.verify import Candidates
-from flashtree.transfer import device_to_host, to_device
+from flashtree.transfer import HostSnapshots, to_device
 
 if TYPE_CHECKING:
     from flashtree.engine.speculative import SpecConfig
@@ -101,8 +101,11 @@ class CandidatePlanner:
         # (on a step that reads them): seq ids, budgets, and their [R, width + 1] reach,
         # copied to the host behind the draft and read after the step's device read.
         self._chosen: dict[int, int] = {}
+        self._chosen_ids: list[int] = []  # the requests `_chosen` holds, in batch order
         self._kept_steps = 0
         self._unsettled: tuple[list[int], list[int], torch.Tensor] | None = None
+        # The reach's host copies: `settle` reads a step's before the next choice takes one.
+        self._reach_copies = HostSnapshots()
         self.tree_levels = RowGraphs(_levels, buckets, self.device, use_graphs)
         self.tree_nodes = RowGraphs(_tree_nodes, buckets, self.device, use_graphs)
         if use_graphs and cfg.method == "ddtree":
@@ -129,11 +132,11 @@ class CandidatePlanner:
         the last step's (see _CHOICE_STEPS)."""
         assert self.policy is not None
         ids = [s.seq_id for s in seqs if not self._samples_tree(s)]
-        if self._chosen.keys() == set(ids) and self._kept_steps < _CHOICE_STEPS - 1:
+        if ids == self._chosen_ids and self._kept_steps < _CHOICE_STEPS - 1:
             self._kept_steps += 1
         elif ids:
             budgets = self.policy.choose(ids, [self.policy.expected_gains(i) for i in ids])
-            self._chosen, self._kept_steps = dict(zip(ids, budgets)), 0
+            self._chosen, self._chosen_ids, self._kept_steps = dict(zip(ids, budgets)), ids, 0
 
     def _samples_tree(self, seq: Sequence) -> bool:
         """RRS requests' candidates are sampled from the draft, at the full budget."""
@@ -237,7 +240,7 @@ class CandidatePlanner:
             ids = [seqs[i].seq_id for i in trees]
             budgets = [self._chosen[i] for i in ids]
             if self._kept_steps == 0:  # this step chose
-                self._unsettled = (ids, budgets, device_to_host(reach))
+                self._unsettled = (ids, budgets, self._reach_copies.take(reach))
         if on_device and len(set(budgets)) == 1 and budgets[0] > 0:
             nodes, visible = self.tree_nodes(keys, flat, top_tok, roots, budget=budgets[0])
             return TreeBatch(nodes[:, 0], nodes[:, 1], nodes[:, 2], visible)

@@ -71,6 +71,7 @@ class SpeculativeDecoder:
         self.policy = policy  # None: every request verifies the full block or tree budget
         self._vocab_start = runner.model.lm_head.vocab_start
         self.stats = SpecStats()
+        self._recorded_ids: list[int] = []  # the batch the policy last forgot others than
         self.planner = CandidatePlanner(cfg, proposer, runner, policy)
         self.tree_verifier = None
         if cfg.method == "ddtree":
@@ -181,7 +182,10 @@ class SpeculativeDecoder:
         if self.policy is not None:
             if verified:  # a step that verified no draft says nothing about speculation
                 self.policy.observe_speculation(len(seqs), verified, accepted)
-            self.policy.forget({s.seq_id for s in seqs})
+            ids = [s.seq_id for s in seqs]
+            if ids != self._recorded_ids:  # else the policy holds no other request's state
+                self.policy.forget(set(ids))
+                self._recorded_ids = ids
         return committed
 
     # ------------------------------------------------------------------ candidates

@@ -431,6 +431,36 @@ def test_tree_build_captured_at_start_covers_every_step(small_pair, tmp_path, mo
     assert len(spec.stats.budgets) >= 3, spec.stats.budgets
 
 
+def test_the_policy_holds_state_of_its_last_speculative_batch_alone(small_pair, tmp_path,
+                                                                   monkeypatch):
+    """Requests end at different steps and waiting ones take their places: after every
+    speculative step the policy holds calibrations, tree reach and paces of that step's
+    requests alone, none of a request that left the batch (the engine has it forget them
+    only on steps whose batch differs from the last speculative step's)."""
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(SpecPolicy, "should_draft", lambda policy, requests, remaining: True)
+    target, drafter = small_pair
+    llm = LLM(model=str(target), draft=str(drafter), spec="ddtree", device="cpu",
+              skip_tokenizer_init=True, page_size=4, max_num_seqs=2)
+    spec, policy = llm.engine.speculative, llm.engine.speculative.policy
+    seen: list[tuple[set[int], set[int]]] = []  # per speculative step: its batch, held state
+    step = spec.step
+
+    def recorded(seqs):
+        verified = step(seqs)
+        held = set(policy.requests) | set(policy.reach) | set(policy.drain.live)
+        seen.append(({s.seq_id for s in seqs}, held))
+        return verified
+
+    spec.step = recorded
+    lengths = (9, 30, 14, 5, 22, 11, 17, 7)
+    llm.generate((PROMPTS * 2)[: len(lengths)], [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths])
+    assert len({frozenset(batch) for batch, _ in seen}) >= 4, seen  # the batch changed
+    assert all(held <= batch for batch, held in seen), seen
+    assert all(held for _, held in seen), seen  # what it holds is checked, not nothing
+
+
 def test_policy_name_is_checked(small_pair):
     target, drafter = small_pair
     with pytest.raises(ValueError, match="spec_policy='greedy'.*adaptive"):
