@@ -38,9 +38,9 @@ def device_to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 class HostSnapshots:
     """`device_to_host` into one pinned buffer reused from copy to copy (growing to the most
-    rows asked for): `benchmarks/host_profile.py` put a pinned allocation at 20-30 us of
-    host time on the H200's host, where a decode step of a small model takes ~3 ms. A
-    snapshot holds until the next one is taken; the caller reads each before."""
+    rows asked for): `benchmarks/host_profile.py` (cProfile) put a pinned allocation at
+    20-30 us of host time on the H200's host, where a small model's decode step takes ~3 ms.
+    A snapshot holds until the next one is taken; the caller reads each before."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None

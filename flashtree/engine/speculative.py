@@ -71,7 +71,8 @@ class SpeculativeDecoder:
         self.policy = policy  # None: every request verifies the full block or tree budget
         self._vocab_start = runner.model.lm_head.vocab_start
         self.stats = SpecStats()
-        self._recorded_ids: list[int] = []  # the batch the policy last forgot others than
+        # The batch of the last step that had the policy forget every request outside it.
+        self._recorded_ids: list[int] = []
         self.planner = CandidatePlanner(cfg, proposer, runner, policy)
         self.tree_verifier = None
         if cfg.method == "ddtree":
