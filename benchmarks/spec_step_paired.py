@@ -13,12 +13,15 @@ time is the policy's host work and reads; where the policy would decode plain, i
 back-offs skip the forecast, as they do when it runs); `full_untimed` (`full` without step
 timing).
 Prints each engine's median ms per step, committed tokens per step and its per-block speed
-over the first engine's."""
+over the first engine's; then, for each `adaptive` engine, what its policy did over all its
+decode steps (the warm-up's included): steps run plain, probe steps, rechecks and back-offs
+(where it commits fewer tokens per step than `fixed`, whether verdicts are the cause)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 from flashtree import LLM
@@ -58,13 +61,42 @@ def engine(variant: str, args: argparse.Namespace) -> LLM:
     return llm
 
 
+def count_verdicts(llm: LLM) -> Counter:
+    """A tally, kept as the engine runs, of its policy's verdicts: decode steps, those run
+    plain and those of probes, rechecks and back-offs begun."""
+    policy, tally = llm.engine.speculative.policy, Counter()
+    decide, recheck, back_off = policy.should_draft, policy.recheck, policy.back_off
+
+    def counted_decide(requests: int, remaining=None) -> bool:
+        drafts = decide(requests, remaining)
+        tally["steps"] += 1
+        tally["plain" if not drafts else "probe" if policy.probing else "speculative"] += 1
+        return drafts
+
+    def counted(name: str, method):
+        def call(requests: int) -> None:
+            tally[name] += 1
+            method(requests)
+        return call
+
+    policy.should_draft = counted_decide
+    policy.recheck, policy.back_off = counted("rechecks", recheck), counted("back-offs", back_off)
+    return tally
+
+
 def main() -> int:
     args, names = parse_args(__doc__.split("\n\n")[0], VARIANTS, concurrency=4, blocks=40,
                              block=8, engines="fixed,full,adaptive")
     engines = {n: engine(n.split(".")[0], args) for n in names}
+    tallies = {n: count_verdicts(llm) for n, llm in engines.items()
+               if n.split(".")[0] == "adaptive"}
     # Up to a whole tree's depth a step; a request that ends stops the measurement early.
     longest = min(llm.engine.args.scheduler.max_model_len for llm in engines.values())
     measure(engines, args, max_tokens=longest // 2)
+    for n, tally in tallies.items():
+        print(f"{n}: of {tally['steps']} decode steps {tally['plain']} plain, "
+              f"{tally['probe']} of probes; {tally['rechecks']} rechecks, "
+              f"{tally['back-offs']} back-offs")
     return 0
 
 

@@ -6,6 +6,7 @@ speed."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,17 +14,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_full_and_fixed_commit_the_same_tokens_per_step(small_pair):
+def run_script(small_pair, engines: str) -> str:
+    """The script's output for 2 requests, 3 blocks of 2 steps each, on random prompts."""
     target, drafter = small_pair
     cmd = [sys.executable, str(ROOT / "benchmarks" / "spec_step_paired.py"), "--model",
            str(target), "--draft", str(drafter), "--device", "cpu", "--concurrency", "2",
-           "--blocks", "3", "--block", "2", "--engines", "fixed,full,full_untimed",
-           "--dataset", "random"]
+           "--blocks", "3", "--block", "2", "--engines", engines, "--dataset", "random"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()
+    return proc.stdout
+
+
+def test_full_and_fixed_commit_the_same_tokens_per_step(small_pair):
+    stdout = run_script(small_pair, "fixed,full,full_untimed")
+    rows = {line.split()[0]: line.split() for line in stdout.splitlines()
             if line.startswith("  ")}
-    assert set(rows) == {"fixed", "full", "full_untimed"}, proc.stdout
+    assert set(rows) == {"fixed", "full", "full_untimed"}, stdout
     tokens_per_step = {name: float(row[2]) for name, row in rows.items()}
-    assert tokens_per_step["fixed"] > 2.0, proc.stdout  # 2 requests: drafts were accepted
+    assert tokens_per_step["fixed"] > 2.0, stdout  # 2 requests: drafts were accepted
     assert tokens_per_step["full"] == tokens_per_step["fixed"] == tokens_per_step["full_untimed"]
+
+
+def test_the_adaptive_engine_s_verdicts_are_tallied(small_pair):
+    """Every decode step the adaptive engine ran is counted once, as speculative, plain or a
+    probe's: the tally's plain and probe steps fit in its decode steps, which are at least
+    the timed blocks' (the plain steps a tiny CPU model's policy takes here vary)."""
+    line = run_script(small_pair, "fixed,adaptive").strip().splitlines()[-1]
+    tally = re.fullmatch(r"adaptive: of (\d+) decode steps (\d+) plain, (\d+) of probes; "
+                         r"(\d+) rechecks, (\d+) back-offs", line)
+    assert tally, line
+    steps, plain, probes, _, _ = map(int, tally.groups())
+    assert steps >= 3 * 2 + 8, line  # the timed blocks and the hold's 8 steps at least
+    assert plain + probes <= steps, line
