@@ -38,6 +38,16 @@ _PROBE_SHARE = 1 / 32  # a probe's extra time would be more than this share of i
 # it pays by a tenth; this averages over a few hundred steps.
 _RECENT_RATE = 0.005
 _CONFIDENCE = 1.5  # standard errors of benefit of the doubt (see optimistic_accepted)
+# The weight, in speculative steps, that the acceptance averages keep when a probe begins
+# (`RecentSpeculation.restart`): they are as old as the back-off before it, and a drafter's
+# acceptance moves with the text. At _RECENT_RATE a probe's steps weighed 1/200 each and the
+# doubt granted stayed that of 400 steps, so a verdict taken in a stretch the drafter drafted
+# badly stood for the rest of a run: at 4 requests on an H200, where speculation gains ~20%,
+# 303 of 328 steps ran plain (`benchmarks/spec_step_paired.py`). Smaller weights resume
+# speculation sooner after such a stretch and more often where it loses
+# (`benchmarks/policy_simulation.py`: 8 gave up 1.3% of plain decoding's speed where
+# speculation loses 11%, 64 0.2%).
+_PROBE_PRIOR_STEPS = 64
 # The share by which the forecast must favour speculation for a batch size to start (or
 # resume) speculating: speculating costs more than its steps' times (the drafter's catch-up
 # after plain steps; requests that end apart, each end then stalling the batch for a prompt
@@ -226,7 +236,8 @@ class RecentSpeculation:
     verified: float = 0.0
     accepted: float = 0.0
     accepted_sq: float = 0.0  # the average of its square
-    steps: int = 0
+    steps: int = 0  # the steps the averages weigh as (fewer after a `restart`)
+    spanned: bool = False  # the averages have spanned their whole window once
 
     @property
     def seen(self) -> bool:
@@ -234,10 +245,16 @@ class RecentSpeculation:
 
     def add(self, verified: float, accepted: float) -> None:
         self.steps += 1
+        self.spanned = self.spanned or self.steps >= round(1 / _RECENT_RATE)
         rate = max(_RECENT_RATE, 1 / self.steps)
         self.verified += rate * (verified - self.verified)
         self.accepted += rate * (accepted - self.accepted)
         self.accepted_sq += rate * (accepted * accepted - self.accepted_sq)
+
+    def restart(self) -> None:
+        """Weigh the averages as _PROBE_PRIOR_STEPS steps (at most): the steps that follow
+        then count as a run's first steps do, and the benefit of the doubt widens to match."""
+        self.steps = min(self.steps, _PROBE_PRIOR_STEPS)
 
     def optimistic_accepted(self) -> float:
         """The accepted average plus _CONFIDENCE standard errors (over as many steps as the
@@ -366,8 +383,9 @@ class SpecPolicy:
         self.probing = size.probe_steps_left > 0 or (self.timed
                                                      and not self._measured(_spec_scale))
         if self.probing:
-            if size.probe_steps_left == _PROBE_STEPS:
+            if size.probe_steps_left == _PROBE_STEPS:  # a back-off's probe begins
                 size.probe_seconds = 0.0
+                self.recent.restart()
             for other in self.sizes.values():  # a probe cut short elsewhere is not timed:
                 if other is not size:  # resumed, it would pay a second catch-up
                     other.probe_seconds = None
@@ -413,9 +431,10 @@ class SpecPolicy:
 
     def _margin(self) -> float:
         """The forecast gain that starts speculation: _MARGIN once the acceptance average
-        spans its whole window (1 / _RECENT_RATE steps); before, its own noise outweighs the
-        biases the margin is for, and the optimistic bound deals with that noise."""
-        return _MARGIN if self.recent.steps >= round(1 / _RECENT_RATE) else 0.0
+        has spanned its whole window (1 / _RECENT_RATE steps; a probe's restart of its
+        weight keeps the margin); before, its own noise outweighs the biases the margin is
+        for, and the optimistic bound deals with that noise."""
+        return _MARGIN if self.recent.spanned else 0.0
 
     def recheck(self, requests: int) -> None:
         """A first verdict against speculation while it runs at a batch of `requests`:

@@ -32,7 +32,9 @@ class SyntheticMachine:
     next one with probability `accept` given its parent was (1.38 on average at 0.58, anywhere
     from 0 to the tree's depth of 7), while the drafter's trees claim chain_gains(`claimed`).
     With `jitter`, every step's time is off by a log-normal factor of that spread, and one step
-    in 50 is 3-10x slower (a host hiccup): what a GPU's steps look like to the host."""
+    in 50 is 3-10x slower (a host hiccup): what a GPU's steps look like to the host. With
+    `stretches`, ((steps, accept), ...) repeated, acceptance moves with the text instead: a
+    stretch the drafter drafts badly, then one it drafts well."""
 
     plain_s: float
     spec_factor: float
@@ -41,6 +43,18 @@ class SyntheticMachine:
     accept: float = 0.58
     claimed: float = 0.7
     depth: int = 7
+    stretches: tuple[tuple[int, float], ...] = ()
+
+    def accept_at(self, step: int) -> float:
+        """The acceptance of the `step`-th step (from 0)."""
+        if not self.stretches:
+            return self.accept
+        step %= sum(n for n, _ in self.stretches)
+        for n, accept in self.stretches:
+            if step < n:
+                return accept
+            step -= n
+        raise AssertionError("unreachable: step was taken modulo the stretches' length")
 
     @property
     def mean_slowdown(self) -> float:
@@ -51,6 +65,21 @@ class SyntheticMachine:
         return math.exp(self.jitter * self.jitter / 2) * (1 + hiccup)
 
 
+def fixed_policy(cost: CostModel, levels: tuple[int, ...]) -> SpecPolicy:
+    """A policy that drafts every step and verifies the full tree, its calls still made: the
+    fixed policy to compare the adaptive one with on the same machine."""
+    policy = SpecPolicy(cost, levels)
+    choose = policy.choose
+
+    def full_tree(seq_ids: list[int], raw_gains: list[list[float]]) -> list[int]:
+        choose(seq_ids, raw_gains)
+        return [levels[-1]] * len(seq_ids)
+
+    policy.should_draft = lambda requests, remaining=None: True
+    policy.choose = full_tree
+    return policy
+
+
 def run_steps(policy: SpecPolicy, machine: SyntheticMachine, steps: int, seed: int = 0
               ) -> tuple[list[int], float]:
     """Each step's budget (0: plain) and the tokens committed per second over the run (a
@@ -59,13 +88,14 @@ def run_steps(policy: SpecPolicy, machine: SyntheticMachine, steps: int, seed: i
     gains = chain_gains(machine.claimed, policy.levels)
     budgets: list[int] = []
     cold_steps, tokens, seconds_total = machine.cold_steps, 0, 0.0
-    for _ in range(steps):
+    for step in range(steps):
+        accept = machine.accept_at(step)
         budget = 0
         if policy.should_draft(1):
             budget = policy.choose([0], [policy.expected_gains(0)])[0]
         if budget:
             accepted = 0
-            while accepted < min(budget, machine.depth) and rng.random() < machine.accept:
+            while accepted < min(budget, machine.depth) and rng.random() < accept:
                 accepted += 1
             policy.note_reach({0: gains})
             policy.observe(0, accepted, gains[policy.levels.index(budget)])

@@ -21,11 +21,13 @@ from flashtree.spec.policy import (
     _MARGIN,
     _MAX_BACKOFF,
     _MIN_BACKOFF,
+    _PROBE_PRIOR_STEPS,
     _PROBE_STEPS,
     _RECENT_RATE,
     _TRUSTED_PLAIN,
     _WARM_STEPS,
     CostModel,
+    RecentSpeculation,
     SpecPolicy,
     _plain_scale,
     _spec_scale,
@@ -37,6 +39,7 @@ from flashtree.spec.simulate import (
     GPU_LIKE_PLAIN_S,
     SyntheticMachine,
     chain_gains,
+    fixed_policy,
     run_steps,
 )
 from flashtree.spec.tree import best_first_levels, best_path_logprobs, build_trees, topk_logprobs
@@ -295,6 +298,46 @@ def test_speculation_that_pays_a_tenth_is_kept_through_jittery_step_times():
         budgets, _ = run_steps(SpecPolicy(GPU_LIKE, LEVELS), machine, 3000, seed)
         plain_shares.append(sum(b == 0 for b in budgets[-2000:]) / 2000)
     assert sum(plain_shares) / len(plain_shares) <= 0.1, plain_shares
+
+
+def test_speculation_resumes_once_a_stretch_the_drafter_drafts_badly_ends():
+    """Acceptance moves with the text: 300 steps at 0.3 (speculation loses), then 900 at 0.7
+    (it pays ~30%), and again. The verdict taken in a bad stretch must not outlast it: a
+    back-off's probe restarts the acceptance averages' weight (`RecentSpeculation.restart`),
+    so the adaptive policy commits as fast as the full tree every step does here. With the
+    averages kept whole, it ran plain on three steps of four and reached 0.87 of it."""
+    machine = SyntheticMachine(GPU_LIKE_PLAIN_S, 1.9, jitter=0.1, stretches=((300, 0.3),
+                                                                              (900, 0.7)))
+    ratios = [run_steps(SpecPolicy(GPU_LIKE, LEVELS), machine, 6000, seed)[1]
+              / run_steps(fixed_policy(GPU_LIKE, LEVELS), machine, 6000, seed)[1]
+              for seed in range(4)]
+    assert sum(ratios) / len(ratios) >= 0.95, ratios
+
+
+def test_a_restart_weighs_the_acceptance_so_far_as_a_few_steps():
+    """After a restart the averages are a running mean again, the old value counting as
+    _PROBE_PRIOR_STEPS steps: 64 steps at 1 then 64 at 3 average to exactly 2."""
+    recent = RecentSpeculation()
+    for _ in range(1000):
+        recent.add(15.0, 1.0)
+    recent.restart()
+    assert recent.steps == _PROBE_PRIOR_STEPS
+    for _ in range(_PROBE_PRIOR_STEPS):
+        recent.add(15.0, 3.0)
+    assert recent.accepted == pytest.approx(2.0, abs=1e-12)
+    assert recent.optimistic_accepted() > recent.accepted  # the doubt granted has widened
+
+
+def test_a_back_off_s_probe_restarts_the_acceptance_averages():
+    """Not a recheck or the back-off's plain steps: the probe's first step, which is the
+    first to measure acceptance since the verdict."""
+    policy = SpecPolicy(_cost(per_token=1e-3, draft=0.05), LEVELS)
+    _speculated(policy, requests=1, verified=4.0, accepted=0.02)
+    for _ in range(500):
+        policy.observe_speculation(1, 4.0, 0.02)
+    while not _should_draft_timing_plain(policy, 1):  # a verdict against, its back-off
+        assert policy.recent.steps > _PROBE_PRIOR_STEPS
+    assert policy.probing and policy.recent.steps == _PROBE_PRIOR_STEPS
 
 
 def test_speculation_that_does_not_pay_costs_few_steps():
