@@ -42,11 +42,12 @@ _CONFIDENCE = 1.5  # standard errors of benefit of the doubt (see optimistic_acc
 # (`RecentSpeculation.restart`): they are as old as the back-off before it, and a drafter's
 # acceptance moves with the text. At _RECENT_RATE a probe's steps weighed 1/200 each and the
 # doubt granted stayed that of 400 steps, so a verdict taken in a stretch the drafter drafted
-# badly stood for the rest of a run: at 4 requests on an H200, where speculation gains ~20%,
-# 303 of 328 steps ran plain (`benchmarks/spec_step_paired.py`). Smaller weights resume
-# speculation sooner after such a stretch and more often where it loses
-# (`benchmarks/policy_simulation.py`: 8 gave up 1.3% of plain decoding's speed where
-# speculation loses 11%, 64 0.2%).
+# badly stood through the good stretches after it (`benchmarks/policy_simulation.py`: 0.87
+# of the full tree's speed where it paid 28%, now 0.98). Smaller weights resume speculation
+# sooner after such a stretch and more often where it loses (8 gave up 1.6% of plain
+# decoding's speed where speculation loses 11%, 64 0.2%). On an H200 at 4 requests, where
+# speculation gains ~20%, 303 of 328 steps ran plain after two back-offs
+# (`benchmarks/spec_step_paired.py`); whether for this reason is not measured.
 _PROBE_PRIOR_STEPS = 64
 # The share by which the forecast must favour speculation for a batch size to start (or
 # resume) speculating: speculating costs more than its steps' times (the drafter's catch-up
