@@ -24,10 +24,12 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from flashtree.spec.drain import DrainWatch
 
 POLICIES = ("adaptive", "fixed")
+T = TypeVar("T")
 _DECAY = 0.9  # weight of the past in the acceptance sums, per step
 _PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
 _MIN_BACKOFF = 8  # plain steps after the first verdict against speculation
@@ -194,6 +196,14 @@ class ScaleLayout:
     version = 0
 
 
+def _remembered(memo: dict[tuple, tuple[int, T]], asked: tuple, answer: Callable[..., T]) -> T:
+    """answer(*asked), remembered in `memo` with the ScaleLayout version it holds for."""
+    known = memo.get(asked)
+    if known is None or known[0] != ScaleLayout.version:
+        known = memo[asked] = (ScaleLayout.version, answer(*asked))
+    return known[1]
+
+
 @dataclass
 class StepScale:
     """Measured over predicted seconds of recent engine steps of one kind (speculative or
@@ -339,11 +349,11 @@ class SpecPolicy:
     reach: dict[int, list[float]] = field(default_factory=dict)  # per request: its last tree's
     recent_reach: list[float] | None = None  # raw gains per level, and their recent average
     drain: DrainWatch = field(default_factory=DrainWatch)
-    # _factor's and _measured's answers, with the ScaleLayout version they hold for.
+    # _factor's and _measured's answers (`_remembered`).
     _nearest: dict[tuple, tuple[int, StepScale | None]] = field(
         default_factory=dict, init=False, repr=False, compare=False)
-    _seen: dict[Callable, tuple[int, bool]] = field(default_factory=dict, init=False,
-                                                    repr=False, compare=False)
+    _seen: dict[tuple, tuple[int, bool]] = field(default_factory=dict, init=False,
+                                                 repr=False, compare=False)
 
     def at(self, requests: int) -> BatchSizeState:
         """The state of the bucket of a batch of `requests`."""
@@ -518,10 +528,7 @@ class SpecPolicy:
         requests on the GPU), and each tie is broken the way that errs towards decoding
         plain."""
         asked = (batch_bucket(requests), kind, trusted, larger_first)
-        known = self._nearest.get(asked)
-        if known is None or known[0] != ScaleLayout.version:
-            known = self._nearest[asked] = (ScaleLayout.version, self._nearest_scale(*asked))
-        scale = known[1]
+        scale = _remembered(self._nearest, asked, self._nearest_scale)
         return 1.0 if scale is None else scale.factor
 
     def _nearest_scale(self, bucket: int, kind: Callable[[BatchSizeState], StepScale],
@@ -541,11 +548,8 @@ class SpecPolicy:
 
     def _measured(self, kind: Callable[[BatchSizeState], StepScale]) -> bool:
         """Whether steps of this kind have been measured at any bucket."""
-        known = self._seen.get(kind)
-        if known is None or known[0] != ScaleLayout.version:
-            known = self._seen[kind] = (ScaleLayout.version, any(
-                kind(size).seen for size in self.sizes.values()))
-        return known[1]
+        return _remembered(self._seen, (kind,), lambda kind: any(
+            kind(size).seen for size in self.sizes.values()))
 
     def scale(self, seq_id: int) -> float:
         """Accepted per predicted draft for this request, shrunk towards the batch's ratio."""
