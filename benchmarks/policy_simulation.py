@@ -1,7 +1,8 @@
 """The adaptive policy's settings compared on a synthetic machine (`flashtree/spec/simulate.py`):
 committed tokens per second over plain decoding's, where speculation pays 11% and where it
-loses, with and without step-time jitter, and where acceptance moves with the text (stretches
-the drafter drafts badly, then well). No model runs; CPU only, about 30 s per setting.
+loses, with and without step-time jitter, where acceptance moves with the text (stretches
+the drafter drafts badly, then well), and where speculative steps slow down in stretches. No
+model runs; CPU only, about 40 s per setting.
 
     python benchmarks/policy_simulation.py [--seeds 32] [--steps 6000]
 
@@ -29,11 +30,16 @@ from flashtree.spec.simulate import (
 # on; or 0.35 for 150, then 0.65 for 450 (steady text: 0.58, `SyntheticMachine.accept`).
 BAD_THEN_GOOD = ((300, 0.3), (900, 0.7))
 SHORTER_STRETCHES = ((150, 0.35), (450, 0.65))
-# (speculative steps' time over their profile, jitter, acceptance stretches): at 0.58, 1.9
-# pays 11% per committed token, 2.4 loses 11%, 4 and 8 lose by 2x and 4x.
-CASES = [(1.9, 0.0, ()), (1.9, 0.1, ()), (1.9, 0.2, ()), (2.4, 0.1, ()), (4.0, 0.1, ()),
-         (8.0, 0.1, ()), (1.9, 0.1, BAD_THEN_GOOD), (2.4, 0.1, BAD_THEN_GOOD),
-         (1.9, 0.1, SHORTER_STRETCHES), (2.4, 0.1, SHORTER_STRETCHES)]
+# Speculative steps at their usual time for 400 steps, then at 1.25x for 100 (a host's slow
+# stretch), and so on.
+SLOW_STRETCHES = ((400, 1.0), (100, 1.25))
+# (speculative steps' time over their profile, jitter, acceptance stretches, slow stretches):
+# at 0.58, 1.9 pays 11% per committed token, 2.4 loses 11%, 4 and 8 lose by 2x and 4x.
+CASES = [(1.9, 0.0, (), ()), (1.9, 0.1, (), ()), (1.9, 0.2, (), ()), (2.4, 0.1, (), ()),
+         (4.0, 0.1, (), ()), (8.0, 0.1, (), ()), (1.9, 0.1, BAD_THEN_GOOD, ()),
+         (2.4, 0.1, BAD_THEN_GOOD, ()), (1.9, 0.1, SHORTER_STRETCHES, ()),
+         (2.4, 0.1, SHORTER_STRETCHES, ()), (1.9, 0.1, (), SLOW_STRETCHES),
+         (2.4, 0.1, (), SLOW_STRETCHES)]
 SETTINGS = [  # (label, {constant: value}); the first row is the code as it stands
     ("as committed", {}),
     ("median window 8", {"_SCALE_SAMPLES": 8}),
@@ -41,6 +47,7 @@ SETTINGS = [  # (label, {constant: value}); the first row is the code as it stan
     ("probe share 1/128", {"_PROBE_SHARE": 1 / 128}),
     ("acceptance weighs 8 steps when a probe begins", {"_PROBE_PRIOR_STEPS": 8}),
     ("acceptance kept whole when a probe begins", {"_PROBE_PRIOR_STEPS": 10**9}),
+    ("probes of two timed steps", {"_PROBE_STEPS": 3}),
 ]
 FIXED = "fixed (full tree every step)"
 
@@ -69,14 +76,15 @@ def main() -> int:
           "tokens/s over plain decoding's (mean over seeds)\n")
     print("| setting | " + " | ".join(
         f"x{f} jitter {j}" + (f" {'/'.join(f'{n}@{a}' for n, a in st)}" if st else "")
-        for f, j, st in CASES) + " |")
+        + (f" slow {'/'.join(f'{n}@x{k}' for n, k in slow)}" if slow else "")
+        for f, j, st, slow in CASES) + " |")
     print("|---|" + "---:|" * len(CASES))
     for label, values in [*SETTINGS, (FIXED, {})]:
         with policy_constants(values):
             cells = []
-            for factor, jitter, stretches in CASES:
+            for factor, jitter, stretches, slowdowns in CASES:
                 machine = SyntheticMachine(GPU_LIKE_PLAIN_S, factor, jitter=jitter,
-                                           stretches=stretches)
+                                           stretches=stretches, slowdowns=slowdowns)
                 rates = [run_steps(fixed_policy(GPU_LIKE, levels) if label == FIXED
                                    else SpecPolicy(GPU_LIKE, levels),
                                    machine, args.steps, seed)[1] for seed in range(args.seeds)]

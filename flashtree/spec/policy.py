@@ -72,7 +72,10 @@ _TRUSTED_PLAIN = 8  # plain steps from which a bucket's own plain step time is u
 # 40,8`) put that one 10-20% above the run's steady time, the next ones within 3%: 3.89 ms,
 # then 3.18-3.23 at 1 request; 4.43, then 4.14, 4.14 and 4.04-3.98 at 16.
 _WARM_STEPS = 1
-_PROBE_STEPS = _WARM_STEPS + 2  # a probe's speculative steps: two of them are timed
+# A probe's speculative steps: three of them are timed, and a back-off's probe judges
+# speculation on its own times alone (`SpecPolicy.should_draft`); their median holds through
+# one hiccup, where that of two (a mean) did not.
+_PROBE_STEPS = _WARM_STEPS + 3
 
 
 def budget_levels(max_budget: int) -> tuple[int, ...]:
@@ -290,6 +293,9 @@ class BatchSizeState:
 
     plain_scale: StepScale = field(default_factory=StepScale)
     spec_scale: StepScale = field(default_factory=StepScale)
+    # The speculative step times from before a back-off's probe, set aside while the probe
+    # times its own (`SpecPolicy.end_probe` keeps them or not).
+    spec_before_probe: StepScale | None = None
     backoff: int = 0
     plain_steps_left: int = 0
     probe_steps_left: int = 0  # speculative steps the current or next probe still runs
@@ -323,13 +329,17 @@ class SpecPolicy:
     engine's first speculative steps are a probe (when steps are timed; a bucket not measured
     yet borrows the nearest one's speculative step times), and one follows every back-off: the
     plain steps after a verdict against speculation, doubling while verdicts keep coming.
-    A probe measures speculation without using it: its steps commit one token per request, as
-    plain steps would. Were they to commit their accepted drafts, the requests they speed up
-    would finish at other steps than they would have, and the admissions after them (a
-    prefill step each, costing many decode steps on a GPU) would come apart: a probe at a
-    wide batch cost a benchmark run of 800 steps a third of its throughput that way, against
-    the 3% its own steps cost. The budgets of a step that drafts are the choice's
-    (`choose`)."""
+    The verdict after a back-off's probe takes the probe's speculative step times alone where
+    they are faster than those before it (`end_probe`): step times drift in stretches (at one
+    request on an H200, verdicts came where speculative steps ran at 1.2x their usual time for
+    tens of steps), and a probe's few times joined to such a stretch's in one median left its
+    verdict standing for thousands of steps. A probe measures speculation without using it:
+    its steps commit one token per request, as plain steps would. Were they to commit their
+    accepted drafts, the requests they speed up would finish at other steps than they would
+    have, and the admissions after them (a prefill step each, costing many decode steps on a
+    GPU) would come apart: a probe at a wide batch cost a benchmark run of 800 steps a third
+    of its throughput that way, against the 3% its own steps cost. The budgets of a step that
+    drafts are the choice's (`choose`)."""
 
     cost: CostModel
     levels: tuple[int, ...]
@@ -385,6 +395,8 @@ class SpecPolicy:
                 size.plain_scale = StepScale()  # a back-off's last steps re-time plain decoding
             size.plain_steps_left -= 1
             return False
+        if size.spec_before_probe is not None and size.probe_steps_left == 0:
+            self.end_probe(size)
         if self._unmeasured_plain(size):
             return False
         if size.spec_scale.seen and (not size.plain_scale.seen
@@ -397,6 +409,7 @@ class SpecPolicy:
             if size.probe_steps_left == _PROBE_STEPS:  # a back-off's probe begins
                 size.probe_seconds = 0.0
                 self.recent.restart()
+                size.spec_before_probe, size.spec_scale = size.spec_scale, StepScale()
             for other in self.sizes.values():  # a probe cut short elsewhere is not timed:
                 if other is not size:  # resumed, it would pay a second catch-up
                     other.probe_seconds = None
@@ -418,6 +431,20 @@ class SpecPolicy:
             return False
         size.spec_steps += 1
         return True
+
+    @staticmethod
+    def end_probe(size: BatchSizeState) -> None:
+        """A back-off's probe is over: its speculative step times replace the older ones
+        where they are faster (those were a slow stretch's, the verdict against speculation
+        taken in it), and join them where not (a probe's few steps could be slow by chance: a
+        verdict against stands until the next probe, one for is corrected by the steps after
+        it, so the older times keep the benefit of the doubt)."""
+        before, probe = size.spec_before_probe, size.spec_scale
+        assert before is not None, "no probe set the older speculative step times aside"
+        size.spec_before_probe = None
+        if before.seen and (not probe.seen or before.factor <= probe.factor):
+            size.spec_scale = StepScale(deque([*before.samples, *probe.samples],
+                                              maxlen=_SCALE_SAMPLES))
 
     def draft_refused(self, requests: int) -> None:
         """The step of `requests` that should_draft just allowed ran plain after all (the

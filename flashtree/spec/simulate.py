@@ -34,7 +34,9 @@ class SyntheticMachine:
     With `jitter`, every step's time is off by a log-normal factor of that spread, and one step
     in 50 is 3-10x slower (a host hiccup): what a GPU's steps look like to the host. With
     `stretches`, ((steps, accept), ...) repeated, acceptance moves with the text instead: a
-    stretch the drafter drafts badly, then one it drafts well."""
+    stretch the drafter drafts badly, then one it drafts well. With `slowdowns`, ((steps,
+    factor), ...) repeated, speculative steps' times move in stretches (what an H200's host
+    did at one request: tens of speculative steps in a row at 1.2x their usual time)."""
 
     plain_s: float
     spec_factor: float
@@ -44,17 +46,15 @@ class SyntheticMachine:
     claimed: float = 0.7
     depth: int = 7
     stretches: tuple[tuple[int, float], ...] = ()
+    slowdowns: tuple[tuple[int, float], ...] = ()
+
+    def slowdown_at(self, step: int) -> float:
+        """The factor on a speculative step's time at the `step`-th step (from 0)."""
+        return _periodic(self.slowdowns, step, 1.0)
 
     def accept_at(self, step: int) -> float:
         """The acceptance of the `step`-th step (from 0)."""
-        if not self.stretches:
-            return self.accept
-        step %= sum(n for n, _ in self.stretches)
-        for n, accept in self.stretches:
-            if step < n:
-                return accept
-            step -= n
-        raise AssertionError("unreachable: step was taken modulo the stretches' length")
+        return _periodic(self.stretches, step, self.accept)
 
     @property
     def mean_slowdown(self) -> float:
@@ -63,6 +63,19 @@ class SyntheticMachine:
             return 1.0
         hiccup = _HICCUP_SHARE * (sum(_HICCUP_SLOWDOWN) / 2 - 1)
         return math.exp(self.jitter * self.jitter / 2) * (1 + hiccup)
+
+
+def _periodic(stretches: tuple[tuple[int, float], ...], step: int, default: float) -> float:
+    """The value of the stretch ((steps, value), ... repeated) that holds the `step`-th step,
+    or `default` where there are none."""
+    if not stretches:
+        return default
+    step %= sum(n for n, _ in stretches)
+    for n, value in stretches:
+        if step < n:
+            return value
+        step -= n
+    raise AssertionError("unreachable: step was taken modulo the stretches' length")
 
 
 def fixed_policy(cost: CostModel, levels: tuple[int, ...]) -> SpecPolicy:
@@ -100,7 +113,8 @@ def run_steps(policy: SpecPolicy, machine: SyntheticMachine, steps: int, seed: i
             policy.note_reach({0: gains})
             policy.observe(0, accepted, gains[policy.levels.index(budget)])
             policy.observe_speculation(1, budget, accepted)
-            seconds = machine.spec_factor * policy.predicted_s * (3 if cold_steps > 0 else 1)
+            seconds = (machine.spec_factor * machine.slowdown_at(step) * policy.predicted_s
+                       * (3 if cold_steps > 0 else 1))
             cold_steps -= 1
             tokens += 1 if policy.probing else 1 + accepted
         else:
