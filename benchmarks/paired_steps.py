@@ -20,16 +20,18 @@ from flashtree.sampling import SamplingParams
 
 
 def parse_args(description: str, variants: tuple[str, ...], *, concurrency: int, blocks: int,
-               block: int, engines: str) -> tuple[argparse.Namespace, list[str]]:
+               block: int, engines: str, unit: str = "decode steps"
+               ) -> tuple[argparse.Namespace, list[str]]:
     """The paired scripts' command line (defaults as given) and the engine names, checked:
-    distinct, each a variant with an optional `.x` suffix for another copy."""
+    distinct, each a variant with an optional `.x` suffix for another copy. `unit`: what a
+    block is made of, for `--block`'s help."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default="default")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFTER_DIR), help="drafter directory")
     ap.add_argument("--device", default=None)
     ap.add_argument("--concurrency", type=int, default=concurrency)
     ap.add_argument("--blocks", type=int, default=blocks)
-    ap.add_argument("--block", type=int, default=block, help="decode steps per block")
+    ap.add_argument("--block", type=int, default=block, help=f"{unit} per block")
     ap.add_argument("--engines", default=engines)
     ap.add_argument("--dataset", default="chat", help="chat, or random (32 random token ids)")
     args = ap.parse_args()

@@ -62,7 +62,7 @@ def run_waves(engines: dict[str, LLM], prompts: dict[str, list[list[int]]], bloc
 
 def main() -> int:
     args, names = parse_args(__doc__.split("\n\n")[0], VARIANTS, concurrency=256, blocks=30,
-                             block=2, engines="none,drafter")
+                             block=2, engines="none,drafter", unit="waves")
     engines = {n: engine(n.split(".")[0], args) for n in names}
     freeze_startup_heap()
     first = next(iter(engines.values()))
