@@ -514,6 +514,7 @@ class SpecPolicy:
                            math.ceil(probe_extra / _PROBE_SHARE))
         size.plain_steps_left = size.backoff
         size.probe_steps_left = _PROBE_STEPS
+        size.spec_steps = 0  # its plain steps re-time plain decoding
         if size.backoff <= _TRUSTED_PLAIN:  # all of it is re-timed, the verdict's step first
             size.plain_scale = StepScale()
 

@@ -21,6 +21,7 @@ from flashtree.spec.policy import (
     _MARGIN,
     _MAX_BACKOFF,
     _MIN_BACKOFF,
+    _PLAIN_PROBE,
     _PROBE_PRIOR_STEPS,
     _PROBE_STEPS,
     _RECENT_RATE,
@@ -876,6 +877,20 @@ def test_a_probe_slower_than_the_steps_before_its_back_off_joins_their_times():
     assert policy.should_draft(4)
     assert list(policy.at(4).spec_scale.samples) == pytest.approx(
         before + [1.2] * (_PROBE_STEPS - _WARM_STEPS))
+
+
+def test_the_first_plain_probe_after_a_back_off_comes_a_whole_interval_after_its_probe():
+    """Speculation gains 10%, and has run 60 speculative steps since its last plain step when
+    a back-off comes: the back-off's plain steps re-time plain decoding, so the interval to
+    the next plain step starts over with the probe (whose steps count in it)."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _forecast_gain(policy, requests=4, gain=1.10)
+    assert all(_decode(policy, 4, 60, plain_factor=1.0, spec_factor=1.0))
+    policy.back_off(4)
+    backoff = policy.at(4).backoff
+    runs = _runs(_decode(policy, 4, backoff + _PLAIN_PROBE + 1, plain_factor=1.0,
+                         spec_factor=1.0))
+    assert runs == [(False, backoff), (True, _PLAIN_PROBE), (False, 1)]
 
 
 def test_a_back_off_of_eight_steps_re_times_all_of_them_its_verdict_step_first():
