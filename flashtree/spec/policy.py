@@ -72,9 +72,9 @@ _TRUSTED_PLAIN = 8  # plain steps from which a bucket's own plain step time is u
 # 40,8`) put that one 10-20% above the run's steady time, the next ones within 3%: 3.89 ms,
 # then 3.18-3.23 at 1 request; 4.43, then 4.14, 4.14 and 4.04-3.98 at 16.
 _WARM_STEPS = 1
-# A probe's speculative steps: three of them are timed, and a back-off's probe judges
-# speculation on its own times alone (`SpecPolicy.should_draft`); their median holds through
-# one hiccup, where that of two (a mean) did not.
+# A probe's speculative steps: three of them are timed, and the verdict after a back-off's
+# probe may rest on these times alone (`SpecPolicy.end_probe`); their median holds through one
+# hiccup, where that of two (a mean) did not.
 _PROBE_STEPS = _WARM_STEPS + 3
 
 
