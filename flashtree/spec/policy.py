@@ -307,6 +307,9 @@ class BatchSizeState:
     # after a back-off) takes a forecast gain of _MARGIN.
     speculating: bool = False
     rechecking: bool = False  # plain steps re-timed before a verdict against is final
+    # Speculation resumed after a back-off, on the plain times of its last steps: the next
+    # plain probe re-times _TRUSTED_PLAIN plain steps instead of one (`SpecPolicy.should_draft`).
+    retime_plain: bool = False
 
 
 def _spec_scale(size: BatchSizeState) -> StepScale:
@@ -380,7 +383,10 @@ class SpecPolicy:
         batch size) says a draft cannot pay for itself: a verdict, before drafting. A bucket
         times _TRUSTED_PLAIN plain steps of its own before its first verdict; once
         speculative steps are being measured, plain steps are too: one before the first
-        comparison and one every _PLAIN_PROBE speculative steps. Probes speculate without
+        comparison and one every _PLAIN_PROBE speculative steps (the first after a resume
+        from a back-off re-times _TRUSTED_PLAIN of them afresh: the resume was judged on the
+        back-off's last few plain steps, and on a loaded machine those can be several times
+        slower than the steps after them). Probes speculate without
         asking the forecast, and commit what a plain step would (`probing`). Starting to
         speculate takes a forecast gain of `_margin()`, going on a break-even; a verdict
         against running speculation is taken again on fresh plain steps (`recheck`).
@@ -402,6 +408,9 @@ class SpecPolicy:
         if size.spec_scale.seen and (not size.plain_scale.seen
                                      or size.spec_steps >= _PLAIN_PROBE):
             size.spec_steps = 0
+            if size.retime_plain:  # this step is the first of them
+                size.retime_plain, size.plain_scale = False, StepScale()
+                size.plain_steps_left = _TRUSTED_PLAIN - 1
             return False
         self.probing = size.probe_steps_left > 0 or (self.timed
                                                      and not self._measured(_spec_scale))
@@ -419,6 +428,7 @@ class SpecPolicy:
             if (self.drain.draining and remaining is not None
                     and not self.drain.speculation_pays(remaining(), self.spec_s, self.plain_s)):
                 return False
+            size.retime_plain = size.retime_plain or size.backoff > 0
             size.backoff, size.speculating, size.rechecking = 0, True, False
         elif size.speculating and not size.rechecking and self.timed:
             self.recheck(requests)
@@ -483,7 +493,7 @@ class SpecPolicy:
         look like speculation stopped paying, and a back-off is long where a probe costs many
         plain steps."""
         size = self.at(requests)
-        size.rechecking = True
+        size.rechecking, size.retime_plain = True, False
         size.plain_scale = StepScale()
         size.plain_steps_left = _TRUSTED_PLAIN
         size.spec_steps = 0  # these plain steps re-measure plain decoding
@@ -514,7 +524,7 @@ class SpecPolicy:
                            math.ceil(probe_extra / _PROBE_SHARE))
         size.plain_steps_left = size.backoff
         size.probe_steps_left = _PROBE_STEPS
-        size.spec_steps = 0  # its plain steps re-time plain decoding
+        size.spec_steps, size.retime_plain = 0, False  # its plain steps re-time plain decoding
         if size.backoff <= _TRUSTED_PLAIN:  # all of it is re-timed, the verdict's step first
             size.plain_scale = StepScale()
 

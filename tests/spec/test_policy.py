@@ -893,6 +893,28 @@ def test_the_first_plain_probe_after_a_back_off_comes_a_whole_interval_after_its
     assert runs == [(False, backoff), (True, _PLAIN_PROBE), (False, 1)]
 
 
+def test_speculation_resumed_on_plain_times_of_a_loaded_stretch_re_times_them_soon():
+    """Speculation loses 10%. A back-off's last plain steps run 3x slower (another process
+    took the cores), so the verdict after its probe resumes speculation. Its first plain
+    probe then re-times _TRUSTED_PLAIN plain steps, not one: the loaded steps no longer
+    make the median, and speculation stops within _PLAIN_PROBE + 2 * _TRUSTED_PLAIN steps.
+    With one step a probe it ran 9 probes' worth (~600 steps) on the loaded times (on a
+    2-core CPU, 85% of the steps at 16 requests where speculation lost 58%)."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _forecast_gain(policy, requests=4, gain=0.90)
+    _plain_steps_at(policy, 4, 1.0)
+    policy.back_off(4)
+    backoff = policy.at(4).backoff
+    assert not any(_decode(policy, 4, backoff - _TRUSTED_PLAIN, plain_factor=1.0,
+                           spec_factor=1.0))
+    assert not any(_decode(policy, 4, _TRUSTED_PLAIN, plain_factor=3.0, spec_factor=1.0))
+    runs = _runs(_decode(policy, 4, 400, plain_factor=1.0, spec_factor=1.0))
+    assert runs[0] == (True, _PLAIN_PROBE)  # the probe, then speculation resumed
+    # the re-timing, a recheck, then a back-off, with probes alone after it
+    assert runs[1][0] is False and runs[1][1] >= 2 * _TRUSTED_PLAIN + _MIN_BACKOFF
+    assert all(n == _PROBE_STEPS for speculated, n in runs[2:] if speculated)
+
+
 def test_a_back_off_of_eight_steps_re_times_all_of_them_its_verdict_step_first():
     """Speculation costs 1.4% more than it commits (nothing accepted, a nearly free draft and
     verify): the verdict, taken by should_draft, backs off 8 steps, the verdict's own step
