@@ -73,8 +73,8 @@ _TRUSTED_PLAIN = 8  # plain steps from which a bucket's own plain step time is u
 # then 3.18-3.23 at 1 request; 4.43, then 4.14, 4.14 and 4.04-3.98 at 16.
 _WARM_STEPS = 1
 # A probe's speculative steps: three of them are timed, and the verdict after a back-off's
-# probe may rest on these times alone (`SpecPolicy.end_probe`); their median holds through one
-# hiccup, where that of two (a mean) did not.
+# probe may rest on these times alone (`BatchSizeState.end_probe`); their median holds through
+# one hiccup, where that of two (a mean) did not.
 _PROBE_STEPS = _WARM_STEPS + 3
 
 
@@ -294,7 +294,7 @@ class BatchSizeState:
     plain_scale: StepScale = field(default_factory=StepScale)
     spec_scale: StepScale = field(default_factory=StepScale)
     # The speculative step times from before a back-off's probe, set aside while the probe
-    # times its own (`SpecPolicy.end_probe` keeps them or not).
+    # times its own (`BatchSizeState.end_probe` keeps them or not).
     spec_before_probe: StepScale | None = None
     backoff: int = 0
     plain_steps_left: int = 0
@@ -310,6 +310,26 @@ class BatchSizeState:
     # Speculation resumed after a back-off, on the plain times of its last steps: the next
     # plain probe re-times _TRUSTED_PLAIN plain steps instead of one (`SpecPolicy.should_draft`).
     retime_plain: bool = False
+
+    def end_probe(self) -> None:
+        """A back-off's probe is over: its speculative step times replace the older ones
+        where they are faster (those were a slow stretch's, the verdict against speculation
+        taken in it), and join them where not (a probe's few steps could be slow by chance: a
+        verdict against stands until the next probe, one for is corrected by the steps after
+        it, so the older times keep the benefit of the doubt)."""
+        before, probe = self.spec_before_probe, self.spec_scale
+        assert before is not None, "no probe set the older speculative step times aside"
+        self.spec_before_probe = None
+        if before.seen and (not probe.seen or before.factor <= probe.factor):
+            self.spec_scale = StepScale(deque([*before.samples, *probe.samples],
+                                              maxlen=_SCALE_SAMPLES))
+
+    def retime_plain_steps(self) -> None:
+        """The next _TRUSTED_PLAIN steps run plain and time plain decoding afresh (the older
+        plain times are dropped); they count as a plain probe."""
+        self.plain_scale = StepScale()
+        self.plain_steps_left = _TRUSTED_PLAIN
+        self.spec_steps, self.retime_plain = 0, False
 
 
 def _spec_scale(size: BatchSizeState) -> StepScale:
@@ -333,16 +353,16 @@ class SpecPolicy:
     yet borrows the nearest one's speculative step times), and one follows every back-off: the
     plain steps after a verdict against speculation, doubling while verdicts keep coming.
     The verdict after a back-off's probe takes the probe's speculative step times alone where
-    they are faster than those before it (`end_probe`): step times drift in stretches (at one
-    request on an H200, verdicts came where speculative steps ran at 1.2x their usual time for
-    tens of steps), and a probe's few times joined to such a stretch's in one median left its
-    verdict standing for thousands of steps. A probe measures speculation without using it:
-    its steps commit one token per request, as plain steps would. Were they to commit their
-    accepted drafts, the requests they speed up would finish at other steps than they would
-    have, and the admissions after them (a prefill step each, costing many decode steps on a
-    GPU) would come apart: a probe at a wide batch cost a benchmark run of 800 steps a third
-    of its throughput that way, against the 3% its own steps cost. The budgets of a step that
-    drafts are the choice's (`choose`)."""
+    they are faster than those before it (`BatchSizeState.end_probe`): step times drift in
+    stretches (at one request on an H200, verdicts came where speculative steps ran at 1.2x
+    their usual time for tens of steps), and a probe's few times joined to such a stretch's in
+    one median left its verdict standing for thousands of steps. A probe measures speculation
+    without using it: its steps commit one token per request, as plain steps would. Were they
+    to commit their accepted drafts, the requests they speed up would finish at other steps
+    than they would have, and the admissions after them (a prefill step each, costing many
+    decode steps on a GPU) would come apart: a probe at a wide batch cost a benchmark run of
+    800 steps a third of its throughput that way, against the 3% its own steps cost. The
+    budgets of a step that drafts are the choice's (`choose`)."""
 
     cost: CostModel
     levels: tuple[int, ...]
@@ -402,15 +422,15 @@ class SpecPolicy:
             size.plain_steps_left -= 1
             return False
         if size.spec_before_probe is not None and size.probe_steps_left == 0:
-            self.end_probe(size)
+            size.end_probe()
         if self._unmeasured_plain(size):
             return False
         if size.spec_scale.seen and (not size.plain_scale.seen
                                      or size.spec_steps >= _PLAIN_PROBE):
             size.spec_steps = 0
-            if size.retime_plain:  # this step is the first of them
-                size.retime_plain, size.plain_scale = False, StepScale()
-                size.plain_steps_left = _TRUSTED_PLAIN - 1
+            if size.retime_plain:
+                size.retime_plain_steps()
+                size.plain_steps_left -= 1  # this step is the first of them
             return False
         self.probing = size.probe_steps_left > 0 or (self.timed
                                                      and not self._measured(_spec_scale))
@@ -441,20 +461,6 @@ class SpecPolicy:
             return False
         size.spec_steps += 1
         return True
-
-    @staticmethod
-    def end_probe(size: BatchSizeState) -> None:
-        """A back-off's probe is over: its speculative step times replace the older ones
-        where they are faster (those were a slow stretch's, the verdict against speculation
-        taken in it), and join them where not (a probe's few steps could be slow by chance: a
-        verdict against stands until the next probe, one for is corrected by the steps after
-        it, so the older times keep the benefit of the doubt)."""
-        before, probe = size.spec_before_probe, size.spec_scale
-        assert before is not None, "no probe set the older speculative step times aside"
-        size.spec_before_probe = None
-        if before.seen and (not probe.seen or before.factor <= probe.factor):
-            size.spec_scale = StepScale(deque([*before.samples, *probe.samples],
-                                              maxlen=_SCALE_SAMPLES))
 
     def draft_refused(self, requests: int) -> None:
         """The step of `requests` that should_draft just allowed ran plain after all (the
@@ -493,10 +499,8 @@ class SpecPolicy:
         look like speculation stopped paying, and a back-off is long where a probe costs many
         plain steps."""
         size = self.at(requests)
-        size.rechecking, size.retime_plain = True, False
-        size.plain_scale = StepScale()
-        size.plain_steps_left = _TRUSTED_PLAIN
-        size.spec_steps = 0  # these plain steps re-measure plain decoding
+        size.rechecking = True
+        size.retime_plain_steps()
 
     def back_off(self, requests: int) -> None:
         """A verdict against speculation at a batch of `requests`: plain steps, doubling from
