@@ -6,9 +6,11 @@ to round on a GPU host, this resolves 1%.
 
     python benchmarks/plain_step_paired.py --model M.gguf --device cuda --concurrency 64
 
-Engines (`--engines`, comma-separated; a suffix `.x` adds another copy): `none`; `held` (an
-adaptive DDTree engine whose policy never drafts: plain steps that keep the drafter's context
-features); and ablations of `held`: `nodefer` (the features are not kept), `nofeat` (decode
+Engines (`--engines`, comma-separated; a suffix `.x` adds another copy): `none`; `adaptive`
+(an adaptive DDTree engine whose policy runs as it does in serving: at a batch where
+speculation does not pay, plain steps with its probes); `held` (an adaptive DDTree engine
+whose policy never drafts: plain steps that keep the drafter's context features); and
+ablations of `held`: `nodefer` (the features are not kept), `nofeat` (decode
 graphs without feature outputs), `notime` (no step timing or budget statistics),
 `nofeat_notime`. Prints each engine's median ms per step and its per-block speed over the
 first engine's (mean and standard error; `paired_steps.py`)."""
@@ -22,12 +24,11 @@ from pathlib import Path
 from flashtree import LLM
 from flashtree.graphs.forward import TargetForward
 from flashtree.graphs.schema import GraphMode
-from flashtree.spec.policy import SpecPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.paired_steps import measure, parse_args  # noqa: E402
 
-VARIANTS = ("none", "held", "nodefer", "nofeat", "notime", "nofeat_notime")
+VARIANTS = ("none", "adaptive", "held", "nodefer", "nofeat", "notime", "nofeat_notime")
 
 
 def engine(variant: str, args: argparse.Namespace) -> LLM:
@@ -36,6 +37,9 @@ def engine(variant: str, args: argparse.Namespace) -> LLM:
         return LLM(**kw)
     llm = LLM(draft=args.draft, spec="ddtree", **kw)
     e = llm.engine
+    if variant == "adaptive":
+        return llm
+    e.speculative.policy.should_draft = lambda requests, remaining=None: False  # held plain
     if "nofeat" in variant:  # decode graphs again, without feature outputs
         if e.runner.graphs is None:
             raise SystemExit(f"{variant}: needs captured graphs (CUDA, not enforce_eager)")
@@ -52,8 +56,6 @@ def engine(variant: str, args: argparse.Namespace) -> LLM:
 def main() -> int:
     args, names = parse_args(__doc__.split("\n\n")[0], VARIANTS, concurrency=16, blocks=60,
                              block=16, engines="none,held")
-    # Drafter engines held plain.
-    SpecPolicy.should_draft = lambda self, requests, remaining=None: False
     engines = {n: engine(n.split(".")[0], args) for n in names}
     measure(engines, args, max_tokens=args.blocks * args.block + 64)
     return 0
