@@ -2,8 +2,9 @@
 (or each round's, for runs of several interleaved rounds) output throughput relative to `none`
 in the same run, their mean, minimum and the mean's 95% confidence interval (Student's t over
 the runs' ratios: where it holds 1.0, the runs do not tell the spec from `none`), the adaptive
-policy's mean budget, and one plot of throughput vs concurrency (mean, with the runs' range)
-beside the ratios to `none`.
+policy's mean budget, each adaptive spec's throughput over each of its fixed budgets' in the
+same run (`ddtree` over `ddtree:fixed`, `ddtree:fixed:7`, ...), and one plot of throughput vs
+concurrency (mean, with the runs' range) beside the ratios to `none`.
 
     python benchmarks/sweep_summary.py OUT_DIR   # writes OUT_DIR/summary.md and summary.png
 """
@@ -79,11 +80,39 @@ def summarize(out_dir: Path) -> list[Path]:
             lines.append(f"| {c} | {spec} | " + " | ".join(cells)
                          + f" | **{statistics.mean(ratios):.2f}** | {min(ratios):.2f} | "
                          f"{shown} | {budget} |")
+    lines += _over_fixed(runs, specs, levels, rows)
     plot = _plot(out_dir, specs, levels, rows)
     lines += ["", f"![throughput vs concurrency]({plot.name})", ""]
     summary = out_dir / "summary.md"
     summary.write_text("\n".join(lines))
     return [summary, plot]
+
+
+def _over_fixed(runs: list[str], specs: list[str], levels: list[int],
+                rows: dict[Key, dict[str, dict]]) -> list[str]:
+    """The table of adaptive over fixed: per concurrency, an adaptive spec's output throughput
+    over one of its fixed budgets' in each run that has both (empty without such pairs)."""
+    pairs = [(s.split(":")[0], s) for s in specs
+             if ":fixed" in s and s.split(":")[0] in specs]
+    lines = ["| concurrency | adaptive / fixed | " + " | ".join(runs)
+             + " | mean | min | mean's 95% interval |", "|---:|---|" + "---:|" * (len(runs) + 3)]
+    for c in levels:
+        for adaptive, fixed in pairs:
+            a, f = rows.get((adaptive, c), {}), rows.get((fixed, c), {})
+            by_run = {n: a[n]["output_throughput"] / f[n]["output_throughput"]
+                      for n in runs if n in a and n in f}
+            if not by_run:
+                continue
+            ratios = list(by_run.values())
+            interval = mean_interval(ratios)
+            shown = "-" if interval is None else f"{interval[0]:.3f} to {interval[1]:.3f}"
+            cells = [f"{by_run[n]:.3f}" if n in by_run else "-" for n in runs]
+            lines.append(f"| {c} | {adaptive} / {fixed} | " + " | ".join(cells)
+                         + f" | **{statistics.mean(ratios):.3f}** | {min(ratios):.3f} | {shown} |")
+    if len(lines) == 2:
+        return []
+    return ["", "Adaptive over fixed: output tokens/s of the adaptive spec over the fixed "
+            "budget's in the same run.", "", *lines]
 
 
 def _plot(out_dir: Path, specs: list[str], levels: list[int],

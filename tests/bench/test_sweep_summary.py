@@ -69,3 +69,31 @@ def test_the_interval_narrows_with_runs_and_holds_none_only_within_noise():
     assert hi < 1.0
     lo, hi = interval([0.9, 1.1, 0.95, 1.05])  # sd 0.091287, t(0.975, 3) = 3.1824
     assert lo < 1.0 < hi and hi - 1.0 == pytest.approx(3.1824 * 0.091287 / 2, abs=1e-4)
+
+
+def test_adaptive_is_summed_up_over_each_fixed_budget_run_by_run(tmp_path):
+    """Each run's ratio of `ddtree` to `ddtree:fixed` and to `ddtree:fixed:7`; a run without
+    the fixed spec is left out of that pair's mean."""
+    runs = {
+        "run1": [_row("none", 1, 100, 100), _row("ddtree", 1, 110, 100),
+                 _row("ddtree:fixed", 1, 100, 100), _row("ddtree:fixed:7", 1, 88, 100)],
+        "run2": [_row("none", 1, 50, 50), _row("ddtree", 1, 57, 50),
+                 _row("ddtree:fixed", 1, 60, 50)],
+    }
+    for run, rows in runs.items():
+        folder = tmp_path / run / "low_concurrency"
+        folder.mkdir(parents=True)
+        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = _module().summarize(tmp_path)[0].read_text().splitlines()
+    # 1.1 and 0.95: mean 1.025, sd 0.106066, t(0.975, 1) = 12.706 -> +-0.953
+    assert ("| 1 | ddtree / ddtree:fixed | 1.100 | 0.950 | **1.025** | 0.950 | 0.072 to 1.978 |"
+            in lines)
+    assert "| 1 | ddtree / ddtree:fixed:7 | 1.250 | - | **1.250** | 1.250 | - |" in lines
+
+
+def test_no_adaptive_over_fixed_table_without_a_fixed_spec(tmp_path):
+    folder = tmp_path / "run1" / "low_concurrency"
+    folder.mkdir(parents=True)
+    rows = [_row("none", 1, 100, 100), _row("ddtree", 1, 90, 100)]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "Adaptive over fixed" not in _module().summarize(tmp_path)[0].read_text()
