@@ -11,6 +11,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from flashtree import LLM
 from flashtree.bench.datasets import load_dataset
 from flashtree.bench.offline import encode
@@ -34,6 +36,9 @@ def parse_args(description: str, variants: tuple[str, ...], *, concurrency: int,
     ap.add_argument("--block", type=int, default=block, help=f"{unit} per block")
     ap.add_argument("--engines", default=engines)
     ap.add_argument("--dataset", default="chat", help="chat, or random (32 random token ids)")
+    ap.add_argument("--profile", action="store_true",
+                    help="then one more block per engine under torch.profiler: device launches, "
+                         "host syncs and device time per step")
     args = ap.parse_args()
     names = args.engines.split(",")
     if any(n.split(".")[0] not in variants for n in names) or len(set(names)) != len(names):
@@ -105,6 +110,32 @@ def measure(engines: dict[str, LLM], args: argparse.Namespace, max_tokens: int) 
     if len(next(iter(timed.values())).seconds) < 2:
         raise SystemExit("fewer than 2 blocks before a request ended: lower --block")
     report(timed)
+    if args.profile:
+        profile_blocks(engines, args.block)
+
+
+def profile_blocks(engines: dict[str, LLM], block: int) -> None:
+    """Per engine, one block of `block` decode steps under torch.profiler: runtime calls that
+    launch device work (kernels, graphs, copies), host syncs and device time per step, where a
+    difference in step time that host profiles do not show can be device work or waiting."""
+    from benchmarks.profile_step import LAUNCHES, SYNCS
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    print("engine          launches/step  syncs/step  device ms/step")
+    for name, llm in engines.items():
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(block):
+                llm.engine.step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if e.key in LAUNCHES) / block
+        syncs = sum(e.count for e in events if e.key in SYNCS) / block
+        device_ms = sum(e.self_device_time_total for e in events
+                        if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / block
+        print(f"  {name:14s} {launches:13.1f}  {syncs:10.1f}  {device_ms:14.3f}")
 
 
 def report(timed: dict[str, Blocks]) -> None:

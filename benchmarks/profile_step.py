@@ -32,9 +32,9 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                     max_position_embeddings=8192, rope_theta=1e5, tie_word_embeddings=True,
                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
-_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch",
-             "cudaMemcpyAsync", "cudaMemsetAsync")
-_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch",
+            "cudaMemcpyAsync", "cudaMemsetAsync")  # the runtime calls that launch device work
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def start_requests(llm: LLM, args: argparse.Namespace) -> None:
@@ -96,8 +96,8 @@ def profile_spec(target: str, spec: str, args: argparse.Namespace) -> dict:
         "spec": spec, "step_ms": 1e3 * sorted(times)[len(times) // 2],
         "tokens_per_step": committed / (args.steps * args.batch),
         "gpu_ms": gpu_ms if cuda else None,
-        "launches": sum(e.count for e in events if e.key in _LAUNCHES) * per,
-        "syncs": sum(e.count for e in events if e.key in _SYNCS) * per,
+        "launches": sum(e.count for e in events if e.key in LAUNCHES) * per,
+        "syncs": sum(e.count for e in events if e.key in SYNCS) * per,
         "host": pstats.Stats(host),
         "table": events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                               row_limit=15),
