@@ -94,8 +94,7 @@ def _over_fixed(runs: list[str], specs: list[str], levels: list[int],
     over one of its fixed budgets' in each run that has both (empty without such pairs)."""
     pairs = [(s.split(":")[0], s) for s in specs
              if ":fixed" in s and s.split(":")[0] in specs]
-    lines = ["| concurrency | adaptive / fixed | " + " | ".join(runs)
-             + " | mean | min | mean's 95% interval |", "|---:|---|" + "---:|" * (len(runs) + 3)]
+    table = []
     for c in levels:
         for adaptive, fixed in pairs:
             a, f = rows.get((adaptive, c), {}), rows.get((fixed, c), {})
@@ -107,12 +106,15 @@ def _over_fixed(runs: list[str], specs: list[str], levels: list[int],
             interval = mean_interval(ratios)
             shown = "-" if interval is None else f"{interval[0]:.3f} to {interval[1]:.3f}"
             cells = [f"{by_run[n]:.3f}" if n in by_run else "-" for n in runs]
-            lines.append(f"| {c} | {adaptive} / {fixed} | " + " | ".join(cells)
+            table.append(f"| {c} | {adaptive} / {fixed} | " + " | ".join(cells)
                          + f" | **{statistics.mean(ratios):.3f}** | {min(ratios):.3f} | {shown} |")
-    if len(lines) == 2:
+    if not table:
         return []
     return ["", "Adaptive over fixed: output tokens/s of the adaptive spec over the fixed "
-            "budget's in the same run.", "", *lines]
+            "budget's in the same run.", "",
+            "| concurrency | adaptive / fixed | " + " | ".join(runs)
+            + " | mean | min | mean's 95% interval |", "|---:|---|" + "---:|" * (len(runs) + 3),
+            *table]
 
 
 def _plot(out_dir: Path, specs: list[str], levels: list[int],

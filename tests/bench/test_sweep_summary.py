@@ -25,6 +25,12 @@ def _row(spec: str, concurrency: int, throughput: float, none: float, budgets=No
             "speedup_vs_none": throughput / none, "budget_histogram": budgets or {}}
 
 
+def _write_run(root: Path, run: str, rows: list[dict], part: str = "low") -> None:
+    folder = root / run / f"{part}_concurrency"
+    folder.mkdir(parents=True)
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def test_summary_table_and_plot(tmp_path):
     runs = {  # run -> part -> rows
         "run1": {"low": [_row("none", 1, 100, 100), _row("ddtree", 1, 90, 100, {"0": 3, "4": 1})],
@@ -34,9 +40,7 @@ def test_summary_table_and_plot(tmp_path):
     }
     for run, parts in runs.items():
         for part, rows in parts.items():
-            folder = tmp_path / run / f"{part}_concurrency"
-            folder.mkdir(parents=True)
-            (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            _write_run(tmp_path, run, rows, part)
     summary, plot = _module().summarize(tmp_path)
     lines = summary.read_text().splitlines()
     # Two runs: t(0.975, 1 degree of freedom) = 12.706 standard errors either side.
@@ -49,9 +53,7 @@ def test_summary_table_and_plot(tmp_path):
 def test_runs_of_several_rounds_are_summed_up_round_by_round(tmp_path):
     rows = [dict(_row("none", 4, 100, 100), round=1), dict(_row("ddtree", 4, 80, 100), round=1),
             dict(_row("ddtree", 4, 130, 100), round=2), dict(_row("none", 4, 100, 100), round=2)]
-    folder = tmp_path / "run1" / "low_concurrency"
-    folder.mkdir(parents=True)
-    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _write_run(tmp_path, "run1", rows)
     summary, _ = _module().summarize(tmp_path)
     text = summary.read_text()
     assert "Runs: run1.1, run1.2." in text
@@ -81,9 +83,7 @@ def test_adaptive_is_summed_up_over_each_fixed_budget_run_by_run(tmp_path):
                  _row("ddtree:fixed", 1, 60, 50)],
     }
     for run, rows in runs.items():
-        folder = tmp_path / run / "low_concurrency"
-        folder.mkdir(parents=True)
-        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        _write_run(tmp_path, run, rows)
     lines = _module().summarize(tmp_path)[0].read_text().splitlines()
     # 1.1 and 0.95: mean 1.025, sd 0.106066, t(0.975, 1) = 12.706 -> +-0.953
     assert ("| 1 | ddtree / ddtree:fixed | 1.100 | 0.950 | **1.025** | 0.950 | 0.072 to 1.978 |"
@@ -92,8 +92,5 @@ def test_adaptive_is_summed_up_over_each_fixed_budget_run_by_run(tmp_path):
 
 
 def test_no_adaptive_over_fixed_table_without_a_fixed_spec(tmp_path):
-    folder = tmp_path / "run1" / "low_concurrency"
-    folder.mkdir(parents=True)
-    rows = [_row("none", 1, 100, 100), _row("ddtree", 1, 90, 100)]
-    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _write_run(tmp_path, "run1", [_row("none", 1, 100, 100), _row("ddtree", 1, 90, 100)])
     assert "Adaptive over fixed" not in _module().summarize(tmp_path)[0].read_text()
