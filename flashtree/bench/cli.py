@@ -204,15 +204,17 @@ def _warm_up(args: argparse.Namespace, llm, prompts: list, concurrency: int) -> 
 
 def _timed_run(args: argparse.Namespace, llm, spec: str, dataset: str, prompts: list,
                concurrency: int, round_: int, bar) -> dict:
-    """One timed run: its metric row (with the draft budgets the run chose)."""
+    """One timed run: its metric row (with the draft budgets the run chose and the batch sizes
+    it speculated at)."""
     from flashtree.bench.offline import run_offline
 
-    before = dict(_budgets(llm))
+    before = {name: dict(counts) for name, counts in _spec_counts(llm).items()}
     records, duration = run_offline(llm, prompts, concurrency, args.max_tokens,
                                     args.temperature, args.seed, bar.update)
     return {"dataset": dataset, "spec": spec, "concurrency": concurrency, "round": round_,
-            **summarize(records, duration), "budget_histogram": _counts_since(before,
-                                                                             _budgets(llm))}
+            **summarize(records, duration),
+            **{name: _counts_since(before[name], counts)
+               for name, counts in _spec_counts(llm).items()}}
 
 
 @dataclass(frozen=True)
@@ -251,10 +253,13 @@ def parse_method(item: str) -> Method:
     return Method(spec, policy, int(budget) if budget is not None else None)
 
 
-def _budgets(llm) -> dict[int, int]:
-    """Request-steps by chosen draft budget so far (empty without speculation)."""
+def _spec_counts(llm) -> dict[str, dict[int, int]]:
+    """The engine's speculation counts so far, by their row names: request-steps by chosen
+    draft budget, and speculative decode steps by batch size (empty without speculation)."""
     spec = llm.engine.speculative
-    return {} if spec is None else spec.stats.budgets
+    stats = None if spec is None else spec.stats
+    return {"budget_histogram": {} if stats is None else stats.budgets,
+            "speculative_steps_by_batch": {} if stats is None else stats.speculative_steps}
 
 
 def _counts_since(before: dict[int, int], now: dict[int, int]) -> dict[str, int]:

@@ -227,6 +227,7 @@ class LLMEngine:
             if policy is not None:
                 policy.draft_refused(len(chunks))
         if speculate:
+            self.speculative.stats.record_speculative_step(len(chunks))
             done = self._speculative_step(chunks)
         else:
             self.speculative.stats.record_budget(0, len(chunks))  # plain: chosen or forced

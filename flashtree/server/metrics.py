@@ -38,6 +38,9 @@ class ServerMetrics:
         self.budgets = Gauge("flashtree:spec_decode_budget_request_steps",
                              "Request-steps by the draft budget chosen (0: plain decoding)",
                              ["budget"], registry=r)
+        self.speculative_steps = Gauge("flashtree:spec_decode_speculative_steps",
+                                       "Decode steps that drafted, by the step's number of "
+                                       "requests", ["batch"], registry=r)
 
     def observe_finished(self, req, now: float) -> None:
         seq = req.seq
@@ -65,3 +68,5 @@ class ServerMetrics:
                 self.accepted_per_pos.labels(str(pos)).set(count)
             for budget, count in stats.budgets.items():
                 self.budgets.labels(str(budget)).set(count)
+            for batch, count in stats.speculative_steps.items():
+                self.speculative_steps.labels(str(batch)).set(count)

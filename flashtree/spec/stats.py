@@ -13,6 +13,9 @@ class SpecStats:
     accepted_per_pos: list[int] = field(default_factory=list)  # [depth - 1] -> accepted
     # Request-steps by draft budget (candidates verified; 0: the step ran plain decoding).
     budgets: dict[int, int] = field(default_factory=dict)
+    # Decode steps that drafted, by the step's number of requests: at which batch sizes the
+    # policy speculated.
+    speculative_steps: dict[int, int] = field(default_factory=dict)
 
     def record(self, num_candidates: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -25,3 +28,6 @@ class SpecStats:
 
     def record_budget(self, budget: int, requests: int = 1) -> None:
         self.budgets[budget] = self.budgets.get(budget, 0) + requests
+
+    def record_speculative_step(self, requests: int) -> None:
+        self.speculative_steps[requests] = self.speculative_steps.get(requests, 0) + 1

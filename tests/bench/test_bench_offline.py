@@ -51,9 +51,13 @@ def test_every_method_and_concurrency_has_a_complete_row(sweep):
         hist = {int(k): v for k, v in r["accept_length_histogram"].items()}
         assert r["accept_length"] == pytest.approx(
             sum(k * v for k, v in hist.items()) / sum(hist.values()))
+        by_batch = {int(b): n for b, n in r["speculative_steps_by_batch"].items()}
+        assert all(1 <= b <= r["concurrency"] for b in by_batch), by_batch
+        # each speculative step's requests are request-steps of the budget histogram
+        assert sum(b * n for b, n in by_batch.items()) <= sum(r["budget_histogram"].values())
         if r["spec"] == "none":
             assert r["accept_length"] == 1.0 and set(hist) == {1}
-            assert r["speedup_vs_none"] == 1.0
+            assert r["speedup_vs_none"] == 1.0 and by_batch == {}
         else:
             assert r["accept_length"] >= 1.0 and r["speedup_vs_none"] > 0
         if r["dataset"] == "random":  # ignore_eos: every request runs to max_tokens

@@ -1117,6 +1117,10 @@ def test_speculation_without_free_pages_runs_plain_instead_of_preempting(small_p
     assert engine.scheduler.num_preemptions == 0
     budgets = engine.speculative.stats.budgets
     assert budgets.get(0, 0) > 0 and budgets.get(15, 0) > 0, budgets
+    # Every request of a speculative step verified the full tree: the speculative steps by
+    # batch size account for the budget-15 request-steps.
+    by_batch = engine.speculative.stats.speculative_steps
+    assert set(by_batch) <= {1, 2} and sum(b * n for b, n in by_batch.items()) == budgets[15]
     assert engine.pages.num_free == engine.pages.num_pages
 
 
