@@ -120,15 +120,16 @@ def profile_blocks(engines: dict[str, LLM], block: int) -> None:
     difference in step time that host profiles do not show can be device work or waiting."""
     from benchmarks.profile_step import LAUNCHES, SYNCS
 
+    cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     print("engine          launches/step  syncs/step  device ms/step")
     for name, llm in engines.items():
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(block):
                 llm.engine.step()
-            if torch.cuda.is_available():
+            if cuda:
                 torch.cuda.synchronize()
         events = prof.key_averages()
         launches = sum(e.count for e in events if e.key in LAUNCHES) / block

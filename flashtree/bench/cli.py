@@ -257,9 +257,10 @@ def _spec_counts(llm) -> dict[str, dict[int, int]]:
     """The engine's speculation counts so far, by their row names: request-steps by chosen
     draft budget, and speculative decode steps by batch size (empty without speculation)."""
     spec = llm.engine.speculative
-    stats = None if spec is None else spec.stats
-    return {"budget_histogram": {} if stats is None else stats.budgets,
-            "speculative_steps_by_batch": {} if stats is None else stats.speculative_steps}
+    if spec is None:
+        return {"budget_histogram": {}, "speculative_steps_by_batch": {}}
+    return {"budget_histogram": spec.stats.budgets,
+            "speculative_steps_by_batch": spec.stats.speculative_steps}
 
 
 def _counts_since(before: dict[int, int], now: dict[int, int]) -> dict[str, int]:

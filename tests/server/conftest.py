@@ -52,6 +52,14 @@ def start_server(model, drafter, statuses: list[int] | None = None, extra: tuple
     return base, proc
 
 
+def metric(base: str, name: str) -> float:
+    """The server's /metrics value of `name` (a series name, or one with its labels), summed
+    over its labelled series."""
+    text = httpx.get(f"{base}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
 @pytest.fixture(scope="session")
 def server(tiny_chat_model):
     """(base_url, process) of a speculative (ddtree) server with an API key."""

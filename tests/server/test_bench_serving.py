@@ -8,12 +8,11 @@ import json
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from flashtree.bench.serving import acceptance_from_counters, spec_counters
 from flashtree.server.metrics import ServerMetrics
-from tests.server.conftest import API_KEY, MODEL, start_server
+from tests.server.conftest import API_KEY, MODEL, metric, start_server
 
 PROMPTS, MAX_TOKENS = 6, 8
 
@@ -68,21 +67,16 @@ def test_metrics_count_the_speculative_steps_of_a_lone_request_at_batch_1(server
     """One request alone on the fixed-policy server: each of its decode steps drafts at batch
     size 1, one verify round each, so the speculative-steps gauge for batch 1 moves by the
     drafts counter's move, and by at most its MAX_TOKENS - 1 decode steps."""
+    from openai import OpenAI
+
     base, _ = server
-
-    def scrape() -> dict[str, float]:
-        text = httpx.get(f"{base}/metrics").text
-        names = ('flashtree:spec_decode_speculative_steps{batch="1"}',
-                 "flashtree:spec_decode_num_drafts ")
-        return {n: sum(float(line.split()[-1]) for line in text.splitlines()
-                       if line.startswith(n)) for n in names}
-
-    before = scrape()
-    reply = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                       json={"model": MODEL, "prompt": "Count", "max_tokens": MAX_TOKENS,
-                             "temperature": 0, "ignore_eos": True}, timeout=120)
-    assert reply.status_code == 200, reply.text
-    steps, drafts = (after - before[n] for n, after in scrape().items())
+    names = ('flashtree:spec_decode_speculative_steps{batch="1"}',
+             "flashtree:spec_decode_num_drafts")
+    before = [metric(base, n) for n in names]
+    OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0).completions.create(
+        model=MODEL, prompt="Count", max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True})
+    steps, drafts = (metric(base, n) - b for n, b in zip(names, before))
     assert 1 <= steps <= MAX_TOKENS - 1 and steps == drafts
 
 

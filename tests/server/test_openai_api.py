@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL
+from tests.server.conftest import API_KEY, MODEL, metric
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -84,22 +84,16 @@ def test_api_key_is_enforced(server):
     assert httpx.post(f"{base}/v1/completions", json=body, headers=ok).status_code == 200
 
 
-def _metric(base: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
-
-
 def test_metrics_counters_move(client, server):
     base = server[0]
     # The adaptive policy may decode this request plainly (budget 0), so the draft counters
     # need not move; every decode step counts in the budget gauge (tests/server/
     # test_bench_serving.py checks the draft counters on a fixed-policy server).
-    before = {n: _metric(base, n) for n in (
+    before = {n: metric(base, n) for n in (
         "flashtree:generation_tokens_total", "flashtree:e2e_request_latency_seconds_count",
         "flashtree:spec_decode_budget_request_steps")}
     client.completions.create(model=MODEL, prompt="Count", max_tokens=12, temperature=0,
                               extra_body={"ignore_eos": True})
     for name, value in before.items():
-        assert _metric(base, name) > value, name
-    assert _metric(base, "flashtree:kv_cache_usage_perc") == 0.0
+        assert metric(base, name) > value, name
+    assert metric(base, "flashtree:kv_cache_usage_perc") == 0.0
