@@ -7,7 +7,8 @@ model runs; CPU only, about 40 s per setting.
     python benchmarks/policy_simulation.py [--seeds 32] [--steps 6000]
 
 Settings are the policy module's constants (the step-time median window, the probes' share of
-a back-off, the acceptance's weight when a probe begins), set here one setting at a time; the
+a back-off, the acceptance's weight when a probe begins, how many steps its standard error
+counts as one sample), set here one setting at a time; the
 first row is the code as it stands, the last the full tree every step (`fixed`)."""
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ SETTINGS = [  # (label, {constant: value}); the first row is the code as it stan
     ("acceptance weighs 8 steps when a probe begins", {"_PROBE_PRIOR_STEPS": 8}),
     ("acceptance kept whole when a probe begins", {"_PROBE_PRIOR_STEPS": 10**9}),
     ("probes of two timed steps", {"_PROBE_STEPS": 3}),
+    ("a young acceptance average's steps counted as independent", {"_CORRELATED_STEPS": 1}),
 ]
 FIXED = "fixed (full tree every step)"
 

@@ -40,6 +40,17 @@ _PROBE_SHARE = 1 / 32  # a probe's extra time would be more than this share of i
 # it pays by a tenth; this averages over a few hundred steps.
 _RECENT_RATE = 0.005
 _CONFIDENCE = 1.5  # standard errors of benefit of the doubt (see optimistic_accepted)
+# Consecutive steps' accepted drafts are correlated (the same requests, text the drafter drafts
+# well or badly for a while): in H200 bench runs at 1 and 4 requests, means of 64 steps varied
+# 2.8-4.5x as much as independent steps' would (16 steps: 2.3-3.7x). Until the acceptance
+# averages have spanned their window, their standard error counts this many steps as one
+# sample: counted one by one, the first 15 speculative steps of an engine at 4 requests, which
+# accepted 1.20 drafts per request (1.39 over the run), bounded it at 1.35, and a verdict
+# against speculation where it paid 9% held it off for 1100 steps (back-offs of 155, 310, 620
+# steps, each probe's few steps in the same young average). Counted so throughout, the bound
+# kept speculation going where it loses a tenth: 3.3% of plain decoding's speed given up in
+# `benchmarks/policy_simulation.py`, against 0.1-0.5% gained where it pays.
+_CORRELATED_STEPS = 4
 # The weight, in speculative steps, that the acceptance averages keep when a probe begins
 # (`RecentSpeculation.restart`): they are as old as the back-off before it, and a drafter's
 # acceptance moves with the text. At _RECENT_RATE a probe's steps weighed 1/200 each and the
@@ -272,12 +283,13 @@ class RecentSpeculation:
 
     def optimistic_accepted(self) -> float:
         """The accepted average plus _CONFIDENCE standard errors (over as many steps as the
-        average spans). A verdict against speculation stops the steps that would correct it, so an
-        average that happens to be low would hold speculation off for good where it pays; the
+        average spans; _CORRELATED_STEPS of them a sample until it has spanned its window).
+        A verdict against speculation stops the steps that would correct it, so an average
+        that happens to be low would hold speculation off for good where it pays; the
         forecast gives it the benefit of the doubt that its noise leaves."""
         variance = max(0.0, self.accepted_sq - self.accepted * self.accepted)
-        return self.accepted + _CONFIDENCE * math.sqrt(
-            variance / min(self.steps, 2 / _RECENT_RATE))
+        samples = min(self.steps, 2 / _RECENT_RATE) / (1 if self.spanned else _CORRELATED_STEPS)
+        return self.accepted + _CONFIDENCE * math.sqrt(variance / samples)
 
 
 def batch_bucket(requests: int) -> int:
