@@ -47,9 +47,10 @@ _CONFIDENCE = 1.5  # standard errors of benefit of the doubt (see optimistic_acc
 # sample: counted one by one, the first 15 speculative steps of an engine at 4 requests, which
 # accepted 1.20 drafts per request (1.39 over the run), bounded it at 1.35, and a verdict
 # against speculation where it paid 9% held it off for 1100 steps (back-offs of 155, 310, 620
-# steps, each probe's few steps in the same young average). Counted so throughout, the bound
-# kept speculation going where it loses a tenth: 3.3% of plain decoding's speed given up in
-# `benchmarks/policy_simulation.py`, against 0.1-0.5% gained where it pays.
+# steps, each probe's few steps in the same young average). In `benchmarks/policy_simulation.py`
+# (independent steps, so it shows the cost alone) this gives up 1.0-1.4% of plain decoding's
+# speed where speculation loses a tenth and gains 0.1-0.5% where it pays; counted so for the
+# whole run, the bound gave up 3.3% there.
 _CORRELATED_STEPS = 4
 # The weight, in speculative steps, that the acceptance averages keep when a probe begins
 # (`RecentSpeculation.restart`): they are as old as the back-off before it, and a drafter's
