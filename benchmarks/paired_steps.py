@@ -118,24 +118,17 @@ def profile_blocks(engines: dict[str, LLM], block: int) -> None:
     """Per engine, one block of `block` decode steps under torch.profiler: runtime calls that
     launch device work (kernels, graphs, copies), host syncs and device time per step, where a
     difference in step time that host profiles do not show can be device work or waiting."""
-    from benchmarks.profile_step import LAUNCHES, SYNCS
+    from benchmarks.profile_step import per_step_counts, profiler_activities
 
     cuda = torch.cuda.is_available()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     print("engine          launches/step  syncs/step  device ms/step")
     for name, llm in engines.items():
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=profiler_activities(cuda)) as prof:
             for _ in range(block):
                 llm.engine.step()
             if cuda:
                 torch.cuda.synchronize()
-        events = prof.key_averages()
-        launches = sum(e.count for e in events if e.key in LAUNCHES) / block
-        syncs = sum(e.count for e in events if e.key in SYNCS) / block
-        device_ms = sum(e.self_device_time_total for e in events
-                        if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / block
+        launches, syncs, device_ms = per_step_counts(prof.key_averages(), block)
         print(f"  {name:14s} {launches:13.1f}  {syncs:10.1f}  {device_ms:14.3f}")
 
 

@@ -37,6 +37,24 @@ LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGr
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
+def profiler_activities(cuda: bool) -> list[torch.profiler.ProfilerActivity]:
+    """The host's activity, and the device's where there is one."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def per_step_counts(events, steps: int) -> tuple[float, float, float]:
+    """From a profile of `steps` steps (`key_averages()`), per step: the runtime calls that
+    launch device work, the host syncs, and the device's milliseconds."""
+    launches = sum(e.count for e in events if e.key in LAUNCHES) / steps
+    syncs = sum(e.count for e in events if e.key in SYNCS) / steps
+    device_ms = sum(e.self_device_time_total for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / steps
+    return launches, syncs, device_ms
+
+
 def start_requests(llm: LLM, args: argparse.Namespace) -> None:
     """`batch` requests with random prompts, prefilled, so that every later step decodes."""
     eng = llm.engine
@@ -79,25 +97,20 @@ def profile_spec(target: str, spec: str, args: argparse.Namespace) -> dict:
         eng.step()
         host.disable()
         sync()
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts, with_stack=bool(args.trace)) as prof:
+    with torch.profiler.profile(activities=profiler_activities(cuda),
+                                with_stack=bool(args.trace)) as prof:
         for _ in range(args.profiled_steps):
             eng.step()
         sync()
     if args.trace:
         prof.export_chrome_trace(f"{args.trace}/{spec.replace(':', '_')}_b{args.batch}.json")
     events = prof.key_averages()
-    per = 1.0 / args.profiled_steps
-    gpu_ms = sum(e.self_device_time_total for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 * per
+    launches, syncs, gpu_ms = per_step_counts(events, args.profiled_steps)
     result = {
         "spec": spec, "step_ms": 1e3 * sorted(times)[len(times) // 2],
         "tokens_per_step": committed / (args.steps * args.batch),
         "gpu_ms": gpu_ms if cuda else None,
-        "launches": sum(e.count for e in events if e.key in LAUNCHES) * per,
-        "syncs": sum(e.count for e in events if e.key in SYNCS) * per,
+        "launches": launches, "syncs": syncs,
         "host": pstats.Stats(host),
         "table": events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                               row_limit=15),
