@@ -68,24 +68,30 @@ def summarize(out_dir: Path) -> list[Path]:
     for c in levels:
         for spec in specs:
             by_run = rows.get((spec, c), {})
-            ratios = [r["speedup_vs_none"] for r in by_run.values()]
-            if not ratios or spec == "none":
+            if not by_run or spec == "none":
                 continue
             budgets = [b for r in by_run.values()
                        if (b := mean_budget(r.get("budget_histogram"))) is not None]
             budget = f"{statistics.mean(budgets):.1f}" if budgets else "-"
-            cells = [f"{by_run[n]['speedup_vs_none']:.2f}" if n in by_run else "-" for n in runs]
-            interval = mean_interval(ratios)
-            shown = "-" if interval is None else f"{interval[0]:.2f} to {interval[1]:.2f}"
-            lines.append(f"| {c} | {spec} | " + " | ".join(cells)
-                         + f" | **{statistics.mean(ratios):.2f}** | {min(ratios):.2f} | "
-                         f"{shown} | {budget} |")
+            speedups = {n: r["speedup_vs_none"] for n, r in by_run.items()}
+            lines.append(f"| {c} | {spec} | {_ratio_cells(speedups, runs, 2)} | {budget} |")
     lines += _over_fixed(runs, specs, levels, rows)
     plot = _plot(out_dir, specs, levels, rows)
     lines += ["", f"![throughput vs concurrency]({plot.name})", ""]
     summary = out_dir / "summary.md"
     summary.write_text("\n".join(lines))
     return [summary, plot]
+
+
+def _ratio_cells(by_run: dict[str, float], runs: list[str], digits: int) -> str:
+    """A table row's ratio cells: each run's (`-` where it has none), then their mean (bold),
+    minimum and the mean's 95% interval (`-` from one run), at `digits` decimals."""
+    ratios = list(by_run.values())
+    interval = mean_interval(ratios)
+    shown = "-" if interval is None else f"{interval[0]:.{digits}f} to {interval[1]:.{digits}f}"
+    cells = [f"{by_run[n]:.{digits}f}" if n in by_run else "-" for n in runs]
+    return " | ".join([*cells, f"**{statistics.mean(ratios):.{digits}f}**",
+                       f"{min(ratios):.{digits}f}", shown])
 
 
 def _over_fixed(runs: list[str], specs: list[str], levels: list[int],
@@ -100,14 +106,8 @@ def _over_fixed(runs: list[str], specs: list[str], levels: list[int],
             a, f = rows.get((adaptive, c), {}), rows.get((fixed, c), {})
             by_run = {n: a[n]["output_throughput"] / f[n]["output_throughput"]
                       for n in runs if n in a and n in f}
-            if not by_run:
-                continue
-            ratios = list(by_run.values())
-            interval = mean_interval(ratios)
-            shown = "-" if interval is None else f"{interval[0]:.3f} to {interval[1]:.3f}"
-            cells = [f"{by_run[n]:.3f}" if n in by_run else "-" for n in runs]
-            table.append(f"| {c} | {adaptive} / {fixed} | " + " | ".join(cells)
-                         + f" | **{statistics.mean(ratios):.3f}** | {min(ratios):.3f} | {shown} |")
+            if by_run:
+                table.append(f"| {c} | {adaptive} / {fixed} | {_ratio_cells(by_run, runs, 3)} |")
     if not table:
         return []
     return ["", "Adaptive over fixed: output tokens/s of the adaptive spec over the fixed "
