@@ -11,7 +11,9 @@ full tree every step); `adaptive` (the policy as it runs: it may decode plain, a
 tree: the same trees as `fixed`, so the same tokens at every step, and any difference in step
 time is the policy's host work and reads; where the policy would decode plain, its
 back-offs skip the forecast, as they do when it runs); `full_untimed` (`full` without step
-timing).
+timing); `adaptive_after_read`, `full_after_read` (the policy's host work that the engine does
+while the device runs a speculative step's target forward, `SpecPolicy.meanwhile`, done after
+the step's device read instead, as before it moved: the host time that move saves).
 Prints each engine's median ms per step, committed tokens per step and its per-block speed
 over the first engine's; then, for each `adaptive` engine, what its policy did over all its
 decode steps (the warm-up's included): steps run plain, probe steps, rechecks and back-offs
@@ -30,7 +32,8 @@ from flashtree.spec.policy import _TRUSTED_PLAIN
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.paired_steps import measure, parse_args  # noqa: E402
 
-VARIANTS = ("fixed", "adaptive", "full", "full_untimed")
+VARIANTS = ("fixed", "adaptive", "full", "full_untimed", "adaptive_after_read",
+            "full_after_read")
 
 
 def engine(variant: str, args: argparse.Namespace) -> LLM:
@@ -39,7 +42,7 @@ def engine(variant: str, args: argparse.Namespace) -> LLM:
               draft=args.draft, spec="ddtree", spec_policy=policy_name)
     if variant.startswith("full"):
         policy = llm.engine.speculative.policy
-        decide, choose = policy.should_draft, policy.choose
+        decide, choose, choose_next = policy.should_draft, policy.choose, policy.choose_next
 
         def always_draft(requests: int, remaining=None) -> bool:
             # Plain step times, as a running engine has them (no step decodes plain here, and
@@ -55,10 +58,34 @@ def engine(variant: str, args: argparse.Namespace) -> LLM:
             choose(seq_ids, raw_gains)
             return [policy.levels[-1]] * len(seq_ids)
 
+        def full_next_tree(seq_ids: list[int]) -> list[int]:  # a prepared choice's too
+            choose_next(seq_ids)
+            return [policy.levels[-1]] * len(seq_ids)
+
         policy.should_draft, policy.choose = always_draft, full_tree
+        policy.choose_next = full_next_tree
         if variant == "full_untimed":
             policy.timed = False
+    if variant.endswith("_after_read"):
+        meanwhile_after_read(llm)
     return llm
+
+
+def meanwhile_after_read(llm: LLM) -> None:
+    """The engine's policy work of `SpeculativeDecoder._policy_meanwhile` run after each
+    speculative step instead of before its device read: each step's outcome is taken in
+    right after it (as it was before the move), and the next forecast and choice are
+    prepared then."""
+    spec = llm.engine.speculative
+    meanwhile, step = spec._policy_meanwhile, spec.step
+
+    def step_then_policy(seqs):
+        verified = step(seqs)
+        meanwhile(len(seqs))
+        return verified
+
+    spec._policy_meanwhile = lambda requests: None
+    spec.step = step_then_policy
 
 
 def count_verdicts(llm: LLM) -> Counter:
@@ -89,7 +116,7 @@ def main() -> int:
                              block=8, engines="fixed,full,adaptive")
     engines = {n: engine(n.split(".")[0], args) for n in names}
     tallies = {n: count_verdicts(llm) for n, llm in engines.items()
-               if n.split(".")[0] == "adaptive"}
+               if n.startswith("adaptive")}
     # Up to a whole tree's depth a step; a request that ends stops the measurement early.
     longest = min(llm.engine.args.scheduler.max_model_len for llm in engines.values())
     measure(engines, args, max_tokens=longest // 2)

@@ -135,8 +135,15 @@ class CandidatePlanner:
         if ids == self._chosen_ids and self._kept_steps < _CHOICE_STEPS - 1:
             self._kept_steps += 1
         elif ids:
-            budgets = self.policy.choose(ids, [self.policy.expected_gains(i) for i in ids])
+            budgets = self.policy.choose_next(ids)
             self._chosen, self._chosen_ids, self._kept_steps = dict(zip(ids, budgets)), ids, 0
+
+    def prepare_choice(self) -> None:
+        """While the device runs a drafting step's target forward: where the next drafting
+        step of this batch chooses its trees, the policy works the choice out now."""
+        assert self.policy is not None
+        if self._chosen_ids and self._kept_steps == _CHOICE_STEPS - 1:
+            self.policy.prepare_choice(self._chosen_ids)
 
     def _samples_tree(self, seq: Sequence) -> bool:
         """RRS requests' candidates are sampled from the draft, at the full budget."""
@@ -260,20 +267,20 @@ class CandidatePlanner:
                                        visible[g])
                 plans[i] = Planned(cand, depths, None)
 
-    def settle(self) -> dict[int, float]:
+    def settle(self) -> tuple[dict[int, float], dict[int, list[float]]]:
         """After the step's device read (which the host copy of the trees' reach arrived
-        with, so reading it waits for nothing): each drafted tree's expected accepted drafts
-        at its chosen budget (seq_id -> raw gain; the calibration's `predicted`), its gains
-        at every level noted for the request's next choice."""
+        with, so reading it waits for nothing), for the trees drafted by a step that chose:
+        each one's expected accepted drafts at its chosen budget (seq_id -> raw gain; the
+        calibration's `predicted`), and its gains at every level (seq_id -> gains, for the
+        request's next choice: `SpecPolicy.note_reach`)."""
         if self._unsettled is None:
-            return {}
+            return {}, {}
         ids, budgets, reach = self._unsettled
         self._unsettled = None
         assert self.policy is not None
-        rows = reach.tolist()
-        self.policy.note_reach({seq_id: [row[b] for b in self.policy.levels]
-                                for seq_id, row in zip(ids, rows)})
-        return {seq_id: row[budget] for seq_id, budget, row in zip(ids, budgets, rows)}
+        rows, levels = reach.tolist(), self.policy.levels
+        return ({seq_id: row[budget] for seq_id, budget, row in zip(ids, budgets, rows)},
+                {seq_id: [row[b] for b in levels] for seq_id, row in zip(ids, rows)})
 
     def _top_logprobs(self, logits: torch.Tensor, k: int, full: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:

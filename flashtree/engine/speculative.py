@@ -20,7 +20,7 @@ from flashtree.engine.tree_verify import TreeBatchVerifier, Walk
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.sampling import inverse_cdf, penalize_rows, probabilities, uniform
 from flashtree.spec.dflash import ContextRows, DFlashProposer
-from flashtree.spec.policy import SpecPolicy
+from flashtree.spec.policy import SpecPolicy, StepOutcome
 from flashtree.spec.rrs import GeneratorDraws, walk_rrs
 from flashtree.spec.stats import SpecStats
 from flashtree.spec.verify import Candidates, greedy_walk, walk
@@ -103,16 +103,27 @@ class SpeculativeDecoder:
         plans = self.planner.plan(seqs)
         if isinstance(plans, TreeBatch):
             assert self.tree_verifier is not None
-            walks = self.tree_verifier.verify(seqs, plans)
+            walks = self.tree_verifier.verify(
+                seqs, plans, meanwhile=lambda: self._policy_meanwhile(len(seqs)))
             sizes, predicted = [plans.tokens.shape[1]] * len(seqs), [None] * len(seqs)
         else:
             walks, features = self._verify(seqs, plans)
             sizes, predicted = [len(p.cand.tokens) for p in plans], [p.predicted for p in plans]
             self._keep(seqs, walks, sizes, features)
-        settled = self.planner.settle()
+        settled, reach = self.planner.settle()
         predicted = [settled.get(s.seq_id, p) for s, p in zip(seqs, predicted)]
-        return self._record(seqs, walks, sizes, predicted,
+        return self._record(seqs, walks, sizes, predicted, reach,
                             commit_one=self.policy is not None and self.policy.probing)
+
+    def _policy_meanwhile(self, requests: int) -> None:
+        """The policy's host work that needs none of this step's results (`meanwhile`; and
+        after a steady step, the next one's tree budgets where it chooses), done while the
+        device runs its target forward."""
+        if self.policy is None:
+            return
+        self.policy.meanwhile(requests)
+        if self.cfg.method == "ddtree" and self.policy.steady:
+            self.planner.prepare_choice()
 
     def _verify(self, seqs: list[Sequence], plans: list[Planned]
                 ) -> tuple[list[Walk], torch.Tensor]:
@@ -126,6 +137,7 @@ class SpeculativeDecoder:
         all_greedy = all(s.params.argmax_only for s in seqs)
         logits, features = self.runner.forward(Mode.VERIFY, items, gather_logits=not all_greedy)
         assert features is not None, "verify must capture the drafter's target layers"
+        self._policy_meanwhile(len(seqs))
         if all_greedy:
             return self._greedy_walks(plans, logits), features
         rows, base = [], 0
@@ -161,13 +173,18 @@ class SpeculativeDecoder:
             (seq_id, start, len(path)) for seq_id, start, path in kept))])
 
     def _record(self, seqs: list[Sequence], walks: list[Walk], sizes: list[int],
-                predicted: list[float | None], commit_one: bool) -> list[Verified]:
+                predicted: list[float | None], reach: dict[int, list[float]],
+                commit_one: bool) -> list[Verified]:
         """Advance the requests past their accepted nodes (the caches hold them) and record
-        the policy's and stats' inputs. `commit_one` (a policy's probe): commit only the
+        the stats' inputs, and the policy's for the next speculative step to hand over
+        (`StepOutcome`; `reach`: trees' gains per level, from a step that chose them).
+        `commit_one` (a policy's probe): commit only the
         root's token, which plain decoding would have produced; the KV and draft context
         written past it are never read (lengths end before them) and are overwritten as
         the next tokens are computed."""
         committed, accepted = [], 0
+        paces: list[tuple[int, int]] = []
+        calibrations: list[tuple[int, int, float]] = []
         for seq, (path, new), n, expected in zip(seqs, walks, sizes, predicted):
             kept = path[:1] if commit_one else path
             seq.num_computed += len(kept)
@@ -175,14 +192,14 @@ class SpeculativeDecoder:
             committed.append(Verified(new[: len(kept)], n - 1))
             accepted += len(path) - 1
             if self.policy is not None:
-                self.policy.observe_pace(seq.seq_id, len(path) - 1)
+                paces.append((seq.seq_id, len(path) - 1))
                 if expected is not None:
-                    self.policy.observe(seq.seq_id, len(path) - 1, expected)
+                    calibrations.append((seq.seq_id, len(path) - 1, expected))
             self.stats.record_budget(n - 1)
-        verified = sum(v.num_candidates for v in committed)
         if self.policy is not None:
-            if verified:  # a step that verified no draft says nothing about speculation
-                self.policy.observe_speculation(len(seqs), verified, accepted)
+            verified = sum(v.num_candidates for v in committed)
+            self.policy.hand_over(StepOutcome(len(seqs), verified, accepted, paces,
+                                              calibrations, reach))
             ids = [s.seq_id for s in seqs]
             if ids != self._recorded_ids:  # else the policy holds no other request's state
                 self.policy.forget(set(ids))

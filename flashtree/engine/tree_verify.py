@@ -7,6 +7,8 @@ batch bucket and tree size where the target's forwards do."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashtree.distributed.vocab import vocab_argmax
@@ -68,11 +70,13 @@ class TreeBatchVerifier:
                 nodes = torch.zeros(rows, n, dtype=torch.long, device=self.runner.device)
                 self.walks(nodes, nodes, nodes, nodes, nodes[:, 0], scratch=self._scratch)
 
-    def verify(self, seqs: list[Sequence], trees: TreeBatch) -> list[Walk]:
+    def verify(self, seqs: list[Sequence], trees: TreeBatch,
+               meanwhile: Callable[[], None]) -> list[Walk]:
         """Verify and commit on the device; return per request the accepted nodes (root
         first) and the committed tokens (accepted drafts + the bonus). The target and draft
         caches hold the accepted nodes at logical indices start.. (page lengths are the
-        caller's to set)."""
+        caller's to set). `meanwhile` runs once all of it is launched, before the host reads
+        the result (it waits for the device there)."""
         r, n = trees.tokens.shape
         device = trees.tokens.device
         starts = to_device([s.num_computed for s in seqs], device)
@@ -91,6 +95,7 @@ class TreeBatchVerifier:
         kept = features.view(r, n, width).gather(1, path[..., None].expand(r, n, width))
         self.proposer.inject([ContextRows(kept.flatten(0, 1), positions=positions.flatten(),
                                           slots=dst.flatten())])
+        meanwhile()
         walks = []
         for count, bonus, *rest in result.tolist():  # the step's one device read
             nodes, tokens = rest[:n][:count], rest[n:][:count]

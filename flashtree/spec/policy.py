@@ -200,6 +200,23 @@ class Calibration:
         self.predicted = _DECAY * self.predicted + predicted
 
 
+@dataclass
+class StepOutcome:
+    """What a speculative step's verification showed the policy. The engine hands it over
+    while the device runs the next speculative step's target forward (`SpecPolicy.digest`),
+    where the host would otherwise wait: the policy's bookkeeping is host work, and a small
+    model's decode steps are bound by host work."""
+
+    requests: int
+    verified: int  # drafts verified over the batch
+    accepted: int  # drafts accepted over the batch
+    paces: list[tuple[int, int]]  # (seq_id, accepted drafts), every request
+    # (seq_id, accepted drafts, the raw expected accepted drafts of its candidates), for the
+    # requests whose expectation is known (chains', and trees' on a step that chose)
+    calibrations: list[tuple[int, int, float]]
+    reach: dict[int, list[float]]  # seq_id -> its tree's raw gains per level (`note_reach`)
+
+
 class ScaleLayout:
     """A count of the changes that can move `SpecPolicy._factor`'s choice of bucket: a step
     scale made (a new bucket's, or one that replaces older times) or given one of its first
@@ -395,6 +412,20 @@ class SpecPolicy:
     reach: dict[int, list[float]] = field(default_factory=dict)  # per request: its last tree's
     recent_reach: list[float] | None = None  # raw gains per level, and their recent average
     drain: DrainWatch = field(default_factory=DrainWatch)
+    decisions: int = 0  # should_draft calls so far
+    # The last decision let the step speculate on the forecast's word (no probe, no drain
+    # verdict): its outcome and the next forecast wait for the next step (`hand_over`).
+    steady: bool = False
+    _pending: StepOutcome | None = field(default=None, init=False, repr=False, compare=False)
+    # The forecast of a decision worked out before it (`prepare_forecast`): the decision it
+    # is for, its batch size, and `_forecast_seconds`' two sides.
+    _prepared_forecast: tuple[int, int, float, float] | None = field(
+        default=None, init=False, repr=False, compare=False)
+    choice_inputs: int = 0  # changes to what `choose` reads (tree reach, calibrations) so far
+    # The choice of `prepare_choice`: `choice_inputs` when it was made, its requests, and
+    # `_best_budgets`' answer.
+    _prepared_choice: tuple[int, list[int], tuple[list[int], float]] | None = field(
+        default=None, init=False, repr=False, compare=False)
     # _factor's and _measured's answers (`_remembered`).
     _nearest: dict[tuple, tuple[int, StepScale | None]] = field(
         default_factory=dict, init=False, repr=False, compare=False)
@@ -427,6 +458,8 @@ class SpecPolicy:
         left to generate (None where some do; called only when a draining batch's verdict
         needs them, not every step): in a draining batch, a step the forecast favours still runs
         plain where the batch is expected to end sooner that way (`DrainWatch`)."""
+        self.decisions += 1
+        self.steady = False
         self.drain.note_batch(requests, others_wait=remaining is None)
         size = self.at(requests)
         if size.plain_steps_left > 0:
@@ -463,6 +496,7 @@ class SpecPolicy:
                 return False
             size.retime_plain = size.retime_plain or size.backoff > 0
             size.backoff, size.speculating, size.rechecking = 0, True, False
+            self.steady = True
         elif size.speculating and not size.rechecking and self.timed:
             self.recheck(requests)
             size.plain_steps_left -= 1  # this step is the recheck's first
@@ -511,6 +545,7 @@ class SpecPolicy:
         recent: a machine that slowed down since (another process, clocks) would otherwise
         look like speculation stopped paying, and a back-off is long where a probe costs many
         plain steps."""
+        self._digest_pending()
         size = self.at(requests)
         size.rechecking = True
         size.retime_plain_steps()
@@ -531,6 +566,7 @@ class SpecPolicy:
         from before a back-off can be a slower machine's (a GPU's first seconds, another
         process), and such times at 16 requests on the GPU made speculation look like it paid
         a fifth where it lost up to 7%."""
+        self._digest_pending()
         size = self.at(requests)
         samples = size.spec_scale.samples
         cheapest = (min(samples) if samples else self._factor(requests, _spec_scale)
@@ -551,8 +587,27 @@ class SpecPolicy:
         steps' acceptance and measured times (True before there are any)."""
         if not self.recent.seen:
             return True
-        return ((1 + self.recent.optimistic_accepted()) * self.plain_s(requests)
-                >= (1 + margin) * self.spec_s(requests))
+        prepared = self._prepared_forecast
+        if prepared is not None and prepared[:2] == (self.decisions, requests):
+            committed_s, spec_s = prepared[2:]
+        else:
+            committed_s, spec_s = self._forecast_seconds(requests)
+        return committed_s >= (1 + margin) * spec_s
+
+    def _forecast_seconds(self, requests: int) -> tuple[float, float]:
+        """Seconds of as many plain steps of `requests` as a speculative step is expected to
+        commit tokens (with the benefit of the doubt), and of a speculative step."""
+        return ((1 + self.recent.optimistic_accepted()) * self.plain_s(requests),
+                self.spec_s(requests))
+
+    def prepare_forecast(self, requests: int) -> None:
+        """Work out the next decision's forecast for a batch of `requests` now, during a
+        steady step: the next decision takes it where it is for as many requests. It then
+        lacks this step's time (one of _SCALE_SAMPLES in the median) and acceptance (see
+        `hand_over`). A decision after another one works it out afresh."""
+        if self.recent.seen:
+            self._prepared_forecast = (self.decisions + 1, requests,
+                                       *self._forecast_seconds(requests))
 
     def spec_s(self, requests: int) -> float:
         """Expected seconds of a speculative step of `requests` that verifies as many drafts
@@ -619,6 +674,28 @@ class SpecPolicy:
         models expect to commit the most tokens per second, some of them 0 (with one_budget,
         one budget for all); raw_gains[r][j] is request r's sum of drafter path probabilities
         over the nodes of budget levels[j]."""
+        budgets, self.predicted_s = self._best_budgets(seq_ids, raw_gains)
+        return budgets
+
+    def choose_next(self, seq_ids: list[int]) -> list[int]:
+        """`choose` for these requests' next trees, before they are drafted, from
+        `expected_gains`: the prepared choice (`prepare_choice`) where it is for them and
+        its inputs have not changed since (it is then the same choice)."""
+        prepared, self._prepared_choice = self._prepared_choice, None
+        if prepared is not None and prepared[:2] == (self.choice_inputs, seq_ids):
+            budgets, self.predicted_s = prepared[2]
+            return budgets
+        return self.choose(seq_ids, [self.expected_gains(i) for i in seq_ids])
+
+    def prepare_choice(self, seq_ids: list[int]) -> None:
+        """Work out `choose_next(seq_ids)` now, while the device runs this step's target
+        forward (the host would wait there), for a next step that chooses."""
+        self._prepared_choice = (self.choice_inputs, seq_ids, self._best_budgets(
+            seq_ids, [self.expected_gains(i) for i in seq_ids]))
+
+    def _best_budgets(self, seq_ids: list[int], raw_gains: list[list[float]]
+                      ) -> tuple[list[int], float]:
+        """`choose`'s budgets, and the forward seconds the profile expects of them."""
         gains = [[g * k for g in row] for k, row in zip(map(self.scale, seq_ids), raw_gains)]
         n = len(seq_ids)
         if self.one_budget:
@@ -626,8 +703,8 @@ class SpecPolicy:
         else:
             picks, _ = choose_budgets(gains, self.levels, self.cost, self.cost.draft_s(n))
         tokens = n + sum(self.levels[j] for j in picks)
-        self.predicted_s = self.cost.draft_s(n) + self.cost.target_s(tokens)
-        return [self.levels[j] for j in picks]
+        return ([self.levels[j] for j in picks],
+                self.cost.draft_s(n) + self.cost.target_s(tokens))
 
     def expected_gains(self, seq_id: int) -> list[float]:
         """Raw gains per level for a request's next tree, before it is drafted (choosing after
@@ -646,6 +723,7 @@ class SpecPolicy:
         average with the weight it would have gained one tree at a time."""
         if not reach:
             return
+        self.choice_inputs += 1
         self.reach.update(reach)
         n, rows = len(reach), list(reach.values())
         mean = rows[0] if n == 1 else [sum(column) / n for column in zip(*rows)]
@@ -674,6 +752,42 @@ class SpecPolicy:
         elif not speculative:
             size.plain_scale.add(seconds, self.cost.target_s(requests))
 
+    def hand_over(self, outcome: StepOutcome) -> None:
+        """What a speculative step's verification showed: taken in now, or, after a step
+        that speculated on the forecast's word (`steady`), in the next speculative step
+        (`meanwhile`) or when a verdict ends the speculation (`back_off`, `recheck`). The
+        forecast of the step after a steady one then lacks its acceptance (one step of a
+        moving average); a probe's verdict has all of its steps'."""
+        if self.steady:
+            self._pending = outcome
+        else:
+            self._digest(outcome)
+
+    def meanwhile(self, requests: int) -> None:
+        """Host work that needs none of a speculative step's results, for the engine to run
+        while the device runs the step's target forward (the host would wait there, and a
+        small model's decode steps are bound by host work): the last steady step's outcome
+        taken in, and where this step is steady, the next decision's forecast worked out
+        (`prepare_forecast`)."""
+        self._digest_pending()
+        if self.steady:
+            self.prepare_forecast(requests)
+
+    def _digest_pending(self) -> None:
+        if self._pending is not None:
+            self._digest(self._pending)
+            self._pending = None
+
+    def _digest(self, outcome: StepOutcome) -> None:
+        if outcome.reach:
+            self.note_reach(outcome.reach)
+        for seq_id, accepted, predicted in outcome.calibrations:
+            self.observe(seq_id, accepted, predicted)
+        for seq_id, accepted in outcome.paces:
+            self.observe_pace(seq_id, accepted)
+        if outcome.verified:  # a step that verified no draft says nothing about speculation
+            self.observe_speculation(outcome.requests, outcome.verified, outcome.accepted)
+
     def observe_speculation(self, requests: int, verified: float, accepted: float) -> None:
         """A speculative step verified `verified` and accepted `accepted` drafts over
         `requests` requests (the forecast's inputs)."""
@@ -686,6 +800,7 @@ class SpecPolicy:
     def observe(self, seq_id: int, accepted: int, predicted: float) -> None:
         """After verification: `accepted` drafts of the chosen candidates, whose raw predicted
         sum was `predicted`."""
+        self.choice_inputs += 1
         own = self.requests.get(seq_id)
         if own is None:
             own = self.requests[seq_id] = Calibration()
