@@ -8,7 +8,8 @@ model runs; CPU only, about 40 s per setting.
 
 Settings are the policy module's constants (the step-time median window, the probes' share of
 a back-off, the acceptance's weight when a probe begins, how many steps its standard error
-counts as one sample), set here one setting at a time; the
+counts as one sample, how far apart plain steps re-measure plain decoding), set here one
+setting at a time; the
 first row is the code as it stands, the last the full tree every step (`fixed`)."""
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ SETTINGS = [  # (label, {constant: value}); the first row is the code as it stan
     ("acceptance kept whole when a probe begins", {"_PROBE_PRIOR_STEPS": 10**9}),
     ("probes of two timed steps", {"_PROBE_STEPS": 3}),
     ("a young acceptance average's steps counted as independent", {"_CORRELATED_STEPS": 1}),
+    ("a plain step every 64 speculative ones, never fewer", {"_PLAIN_PROBE_DOUBLINGS": 0}),
 ]
 FIXED = "fixed (full tree every step)"
 

@@ -76,6 +76,14 @@ _MARGIN = 0.05
 # threshold that speculation clears by a tenth often, and every crossing costs a back-off.
 _SCALE_SAMPLES = 32
 _PLAIN_PROBE = 64  # speculative steps in a row before one plain step re-measures plain decoding
+# The speculative steps between two such plain steps double, up to this many times, while
+# the forecast after each plain step favours speculation by _WIDE_GAIN. Each costs a few
+# tenths of a percent where speculation pays (it commits one token, and the drafter's next
+# step runs cold, 10-20% slower on an H200), and a plain time some hundred steps old cannot
+# turn a forecast that clears break-even by a tenth unless plain steps alone sped up by as
+# much (speculative steps are timed, and their acceptance followed, every step).
+_PLAIN_PROBE_DOUBLINGS = 3
+_WIDE_GAIN = 0.1
 _TRUSTED_PLAIN = 8  # plain steps from which a bucket's own plain step time is used; a
 # recheck (`SpecPolicy.recheck`) times as many
 # Speculative steps after plain ones whose times are not counted: the first one injects the
@@ -332,6 +340,8 @@ class BatchSizeState:
     probe_seconds: float | None = None  # the running probe's steps' seconds so far
     probe_extra: float = 0.0  # the last whole probe's time beyond as many plain steps', in those
     spec_steps: int = 0  # speculative steps since the last plain probe
+    plain_probe_doublings: int = 0  # of the _PLAIN_PROBE speculative steps between them
+    plain_probed: bool = False  # the last plain step was a plain probe (`should_draft`)
     # Speculation runs here (the last verdict was for it, or a recheck of one against it is
     # under way): it goes on while the forecast breaks even, where starting (or resuming
     # after a back-off) takes a forecast gain of _MARGIN.
@@ -359,7 +369,7 @@ class BatchSizeState:
         plain times are dropped); they count as a plain probe."""
         self.plain_scale = StepScale()
         self.plain_steps_left = _TRUSTED_PLAIN
-        self.spec_steps, self.retime_plain = 0, False
+        self.spec_steps, self.retime_plain, self.plain_probe_doublings = 0, False, 0
 
 
 def _spec_scale(size: BatchSizeState) -> StepScale:
@@ -447,7 +457,8 @@ class SpecPolicy:
         batch size) says a draft cannot pay for itself: a verdict, before drafting. A bucket
         times _TRUSTED_PLAIN plain steps of its own before its first verdict; once
         speculative steps are being measured, plain steps are too: one before the first
-        comparison and one every _PLAIN_PROBE speculative steps (the first after a resume
+        comparison and one every _PLAIN_PROBE speculative steps, twice as many steps after
+        each one whose forecast favours speculation by _WIDE_GAIN (the first after a resume
         from a back-off re-times _TRUSTED_PLAIN of them afresh: the resume was judged on the
         back-off's last few plain steps, and on a loaded machine those can be several times
         slower than the steps after them). Probes speculate without
@@ -471,9 +482,9 @@ class SpecPolicy:
             size.end_probe()
         if self._unmeasured_plain(size):
             return False
-        if size.spec_scale.seen and (not size.plain_scale.seen
-                                     or size.spec_steps >= _PLAIN_PROBE):
-            size.spec_steps = 0
+        if size.spec_scale.seen and (not size.plain_scale.seen or size.spec_steps
+                                     >= _PLAIN_PROBE << size.plain_probe_doublings):
+            size.spec_steps, size.plain_probed = 0, True
             if size.retime_plain:
                 size.retime_plain_steps()
                 size.plain_steps_left -= 1  # this step is the first of them
@@ -497,6 +508,11 @@ class SpecPolicy:
             size.retime_plain = size.retime_plain or size.backoff > 0
             size.backoff, size.speculating, size.rechecking = 0, True, False
             self.steady = True
+            if size.plain_probed:  # the first forecast on the plain probe's time
+                size.plain_probed = False
+                size.plain_probe_doublings = (
+                    min(size.plain_probe_doublings + 1, _PLAIN_PROBE_DOUBLINGS)
+                    if self.forecast_pays(requests, _WIDE_GAIN) else 0)
         elif size.speculating and not size.rechecking and self.timed:
             self.recheck(requests)
             size.plain_steps_left -= 1  # this step is the recheck's first
@@ -541,8 +557,8 @@ class SpecPolicy:
         """A first verdict against speculation while it runs at a batch of `requests`:
         _TRUSTED_PLAIN plain steps, timed afresh (the bucket's older plain times are
         dropped), before the verdict is taken again. Its plain step times are as old as its
-        last plain steps (one every _PLAIN_PROBE speculative ones) and its speculative ones
-        recent: a machine that slowed down since (another process, clocks) would otherwise
+        last plain steps (one every _PLAIN_PROBE or more speculative ones) and its speculative
+        ones recent: a machine that slowed down since (another process, clocks) would otherwise
         look like speculation stopped paying, and a back-off is long where a probe costs many
         plain steps."""
         self._digest_pending()
@@ -578,6 +594,7 @@ class SpecPolicy:
         size.plain_steps_left = size.backoff
         size.probe_steps_left = _PROBE_STEPS
         size.spec_steps, size.retime_plain = 0, False  # its plain steps re-time plain decoding
+        size.plain_probe_doublings, size.plain_probed = 0, False
         if size.backoff <= _TRUSTED_PLAIN:  # all of it is re-timed, the verdict's step first
             size.plain_scale = StepScale()
 
@@ -622,8 +639,8 @@ class SpecPolicy:
     def plain_s(self, requests: int) -> float:
         """Expected seconds of a plain decode step of `requests`: from _TRUSTED_PLAIN plain
         steps of its bucket, or the nearest bucket's that has as many. A bucket that mostly
-        speculates times a plain step only every _PLAIN_PROBE speculative ones, and one old
-        step is a noisy basis for a verdict (where a probe's speculative steps are its own
+        speculates times a plain step only every _PLAIN_PROBE or more speculative ones, and one
+        old step is a noisy basis for a verdict (where a probe's speculative steps are its own
         bucket's best measure)."""
         return (self._factor(requests, _plain_scale, _TRUSTED_PLAIN, larger_first=True)
                 * self.cost.target_s(requests))

@@ -22,11 +22,13 @@ from flashtree.spec.policy import (
     _MAX_BACKOFF,
     _MIN_BACKOFF,
     _PLAIN_PROBE,
+    _PLAIN_PROBE_DOUBLINGS,
     _PROBE_PRIOR_STEPS,
     _PROBE_STEPS,
     _RECENT_RATE,
     _TRUSTED_PLAIN,
     _WARM_STEPS,
+    _WIDE_GAIN,
     CostModel,
     RecentSpeculation,
     SpecPolicy,
@@ -769,6 +771,25 @@ def test_a_verdict_against_running_speculation_is_rechecked_on_fresh_plain_steps
             assert all(n == 1 for speculated, n in runs[2:] if not speculated)  # re-timing
         else:
             assert runs[1][1] > _TRUSTED_PLAIN
+
+
+def test_plain_steps_come_further_apart_while_speculation_pays_clearly():
+    """One plain step re-measures plain decoding after _PLAIN_PROBE speculative ones; while
+    the forecast on its time favours speculation by _WIDE_GAIN, the next comes twice as many
+    steps later, up to _PLAIN_PROBE_DOUBLINGS doublings; where it favours speculation by
+    less, every _PLAIN_PROBE steps. A verdict against speculation starts over."""
+    assert 1.08 < 1 + _WIDE_GAIN < 1.3 and _PLAIN_PROBE_DOUBLINGS >= 1
+    widest = _PLAIN_PROBE << _PLAIN_PROBE_DOUBLINGS
+    for gain, gaps in ((1.08, [_PLAIN_PROBE] * 5), (1.3, [
+            _PLAIN_PROBE << d for d in range(_PLAIN_PROBE_DOUBLINGS)] + [widest, widest])):
+        policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+        _forecast_gain(policy, requests=4, gain=gain)
+        runs = _runs(_decode(policy, 4, sum(gaps) + len(gaps), plain_factor=1.0,
+                             spec_factor=1.0))
+        assert runs == [r for gap in gaps for r in ((True, gap), (False, 1))], (gain, runs)
+    assert policy.at(4).plain_probe_doublings == _PLAIN_PROBE_DOUBLINGS
+    _decode(policy, 4, 40, plain_factor=1.0, spec_factor=2.0)  # speculation stops paying
+    assert not policy.at(4).speculating and policy.at(4).plain_probe_doublings == 0
 
 
 def test_a_bucket_with_few_plain_steps_borrows_the_nearest_well_measured_times():
