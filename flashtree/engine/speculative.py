@@ -175,13 +175,12 @@ class SpeculativeDecoder:
     def _record(self, seqs: list[Sequence], walks: list[Walk], sizes: list[int],
                 predicted: list[float | None], reach: dict[int, list[float]],
                 commit_one: bool) -> list[Verified]:
-        """Advance the requests past their accepted nodes (the caches hold them) and record
-        the stats' inputs, and the policy's for the next speculative step to hand over
-        (`StepOutcome`; `reach`: trees' gains per level, from a step that chose them).
-        `commit_one` (a policy's probe): commit only the
-        root's token, which plain decoding would have produced; the KV and draft context
-        written past it are never read (lengths end before them) and are overwritten as
-        the next tokens are computed."""
+        """Advance the requests past their accepted nodes (the caches hold them), record the
+        stats' inputs and hand the policy the step's outcome (`StepOutcome`; `reach`: the
+        trees' gains per level, from a step that chose them). `commit_one` (a policy's
+        probe): commit only the root's token, which plain decoding would have produced; the
+        KV and draft context written past it are never read (lengths end before them) and
+        are overwritten as the next tokens are computed."""
         committed, accepted = [], 0
         paces: list[tuple[int, int]] = []
         calibrations: list[tuple[int, int, float]] = []

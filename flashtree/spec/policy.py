@@ -210,10 +210,10 @@ class Calibration:
 
 @dataclass
 class StepOutcome:
-    """What a speculative step's verification showed the policy. The engine hands it over
-    while the device runs the next speculative step's target forward (`SpecPolicy.digest`),
-    where the host would otherwise wait: the policy's bookkeeping is host work, and a small
-    model's decode steps are bound by host work."""
+    """What a speculative step's verification showed the policy (`SpecPolicy.hand_over`).
+    After a steady step the policy takes it in while the device runs the next speculative
+    step's target forward, where the host would otherwise wait: the policy's bookkeeping is
+    host work, and a small model's decode steps are bound by host work."""
 
     requests: int
     verified: int  # drafts verified over the batch
@@ -775,6 +775,7 @@ class SpecPolicy:
         (`meanwhile`) or when a verdict ends the speculation (`back_off`, `recheck`). The
         forecast of the step after a steady one then lacks its acceptance (one step of a
         moving average); a probe's verdict has all of its steps'."""
+        self._digest_pending()  # one a step that skipped `meanwhile` left: taken in, not lost
         if self.steady:
             self._pending = outcome
         else:
