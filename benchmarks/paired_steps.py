@@ -17,6 +17,7 @@ from flashtree import LLM
 from flashtree.bench.datasets import load_dataset
 from flashtree.bench.offline import encode
 from flashtree.engine.heap import freeze_startup_heap
+from flashtree.engine.llm_engine import LLMEngine
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR
 from flashtree.sampling import SamplingParams
 
@@ -89,15 +90,25 @@ def run_blocks(engines: dict[str, LLM], blocks: int, block: int) -> dict[str, Bl
         for n in names[b % len(names):] + names[:b % len(names)]:
             e = engines[n].engine
             before = sum(len(s.output_ids) for s in e.scheduler.running)
-            step, start = e.step, time.perf_counter()
-            for _ in range(block):
-                step()
+            start = time.perf_counter()
+            decode_steps(e, block)
             timed[n].seconds.append(time.perf_counter() - start)
             timed[n].tokens.append(sum(len(s.output_ids) for s in e.scheduler.running) - before)
         if any(len(engines[n].engine.scheduler.running) != sizes[n] for n in names):
             print(f"a request ended after block {b + 1}: the blocks before it are reported")
             return {n: Blocks(block, t.seconds[:b], t.tokens[:b]) for n, t in timed.items()}
     return timed
+
+
+def decode_steps(engine: LLMEngine, steps: int) -> int:
+    """`steps` engine steps, fewer where its last request ends before (a batch of one);
+    returns how many ran."""
+    step, unfinished = engine.step, engine.has_unfinished
+    for done in range(steps):
+        if not unfinished():
+            return done
+        step()
+    return steps
 
 
 def measure(engines: dict[str, LLM], args: argparse.Namespace, max_tokens: int) -> None:
@@ -124,11 +135,13 @@ def profile_blocks(engines: dict[str, LLM], block: int) -> None:
     print("engine          launches/step  syncs/step  device ms/step")
     for name, llm in engines.items():
         with torch.profiler.profile(activities=profiler_activities(cuda)) as prof:
-            for _ in range(block):
-                llm.engine.step()
+            steps = decode_steps(llm.engine, block)
             if cuda:
                 torch.cuda.synchronize()
-        launches, syncs, device_ms = per_step_counts(prof.key_averages(), block)
+        if steps == 0:
+            print(f"  {name:14s} no request left to profile")
+            continue
+        launches, syncs, device_ms = per_step_counts(prof.key_averages(), steps)
         print(f"  {name:14s} {launches:13.1f}  {syncs:10.1f}  {device_ms:14.3f}")
 
 

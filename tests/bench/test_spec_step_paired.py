@@ -14,12 +14,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_script(small_pair, engines: str) -> str:
-    """The script's output for 2 requests, 3 blocks of 2 steps each, on random prompts."""
+def run_script(small_pair, engines: str, concurrency: int = 2, blocks: int = 3,
+               *extra: str) -> str:
+    """The script's output for `concurrency` requests, `blocks` blocks of 2 steps each, on
+    random prompts."""
     target, drafter = small_pair
     cmd = [sys.executable, str(ROOT / "benchmarks" / "spec_step_paired.py"), "--model",
-           str(target), "--draft", str(drafter), "--device", "cpu", "--concurrency", "2",
-           "--blocks", "3", "--block", "2", "--engines", engines, "--dataset", "random"]
+           str(target), "--draft", str(drafter), "--device", "cpu", "--concurrency",
+           str(concurrency), "--blocks", str(blocks), "--block", "2", "--engines", engines,
+           "--dataset", "random", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
@@ -48,3 +51,12 @@ def test_the_adaptive_engine_s_verdicts_are_tallied(small_pair):
     steps, plain, probes, _, _ = map(int, tally.groups())
     assert steps >= 3 * 2 + 8, line  # the timed blocks and the hold's 8 steps at least
     assert plain + probes <= steps, line
+
+
+def test_a_batch_of_one_whose_request_ends_reports_the_blocks_before(small_pair):
+    """At one request the request ends within some block (the batch is then empty): the
+    blocks before it are reported, and the profile has no request left to step."""
+    stdout = run_script(small_pair, "fixed,full", 1, 1000, "--profile")
+    assert re.search(r"a request ended after block (\d+)", stdout), stdout
+    rows = [line.split()[0] for line in stdout.splitlines() if line.startswith("  ")]
+    assert rows.count("fixed") == 2 and rows.count("full") == 2, stdout  # timing, profile
