@@ -431,6 +431,18 @@ def test_a_noisy_profile_point_is_lowered_to_the_larger_sizes_fastest():
 PROMPTS = TINY_PROMPTS
 
 
+def _plain_tokens_and_adaptive_engine(small_pair, spec: str, max_tokens: int
+                                      ) -> tuple[list[list[int]], SamplingParams, LLM]:
+    """Plain decoding's greedy tokens of PROMPTS (`max_tokens` each, on the CPU), their
+    sampling parameters, and an adaptive `spec` engine over the same target and drafter."""
+    target, drafter = small_pair
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
+    expected = [o.outputs[0].token_ids for o in LLM(model=str(target), **common).generate(
+        PROMPTS, sp)]
+    return expected, sp, LLM(model=str(target), draft=str(drafter), spec=spec, **common)
+
+
 @pytest.mark.parametrize("spec", ["dflash", "ddtree"])
 def test_adaptive_engine_is_lossless_with_varying_budgets_and_plain_steps(small_pair, spec,
                                                                           tmp_path,
@@ -440,12 +452,7 @@ def test_adaptive_engine_is_lossless_with_varying_budgets_and_plain_steps(small_
     Trees are chosen every step here (their budgets vary the more)."""
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
     monkeypatch.setattr(candidates, "_CHOICE_STEPS", 1)
-    target, drafter = small_pair
-    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
-    expected = [o.outputs[0].token_ids for o in LLM(model=str(target), **common).generate(
-        PROMPTS, sp)]
-    llm = LLM(model=str(target), draft=str(drafter), spec=spec, **common)
+    expected, sp, llm = _plain_tokens_and_adaptive_engine(small_pair, spec, max_tokens=60)
     policy = llm.engine.speculative.policy
     assert policy is not None and policy.levels == budget_levels(7)
     policy.cost = _cost(per_token=0.05, draft=0.2)  # verify grows: budgets must be chosen

@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from flashtree import LLM, SamplingParams
 from flashtree.spec.policy import SpecPolicy, StepOutcome
-from tests.spec.test_policy import LEVELS, PROMPTS, _chain_gains, _cost, _forecast_gain
+from tests.spec.test_policy import (
+    LEVELS,
+    PROMPTS,
+    _chain_gains,
+    _cost,
+    _forecast_gain,
+    _plain_tokens_and_adaptive_engine,
+)
 
 
 def _steady(requests: int = 4, gain: float = 1.3) -> SpecPolicy:
@@ -111,12 +117,7 @@ def test_steady_speculation_is_lossless_and_hands_each_outcome_to_the_next_step(
     plain decoding's greedy tokens; each one's outcome is taken in by the next speculative
     step, the last one's waits."""
     monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
-    target, drafter = small_pair
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    common = dict(device="cpu", skip_tokenizer_init=True, page_size=4)
-    expected = [o.outputs[0].token_ids for o in LLM(model=str(target), **common).generate(
-        PROMPTS, sp)]
-    llm = LLM(model=str(target), draft=str(drafter), spec=spec, **common)
+    expected, sp, llm = _plain_tokens_and_adaptive_engine(small_pair, spec, max_tokens=40)
     policy = llm.engine.speculative.policy
     policy.timed = False  # no step times: the forecast is the profile's
     policy.cost = _cost(per_token=0.0, draft=0.0)  # verify as cheap as a plain step
