@@ -8,8 +8,9 @@ and going, engines interleaved round by round). The adaptive policy's verdicts a
         --rounds 3 --output-dir OUT
 
 Prints to stderr at exit, per engine (`none`, `fixed`, `adaptive`), step kind (prefill, plain
-decode, speculative decode) and batch size: the steps, their total and median seconds, and
-the accepted drafts per request of speculative steps. `--trail FILE` (before `bench`) also
+decode, mixed: prompt chunks with running requests' decode tokens, speculative decode) and
+batch size: the steps, their total and median seconds, and the accepted drafts per request of
+speculative steps. `--trail FILE` (before `bench`) also
 writes one CSV row per step: start time, engine, kind, batch, seconds, accepted drafts per
 request, and for adaptive engines whether the step chose its tree budgets (1) or kept the
 last choice's (0)."""
@@ -36,6 +37,11 @@ def engine_name(engine: LLMEngine) -> str:
     return "fixed" if engine.speculative.policy is None else "adaptive"
 
 
+def step_kind(chunks) -> str:
+    decoding = sum(c.decode for c in chunks)
+    return "plain" if decoding == len(chunks) else "mixed" if decoding else "prefill"
+
+
 class StepCensus:
     """Every LLMEngine step's time, kind and batch size, kept as the engines run."""
 
@@ -50,7 +56,7 @@ class StepCensus:
         kinds: dict[int, tuple[str, int]] = {}  # id(engine) -> the running step's kind, batch
 
         def plain_step(engine: LLMEngine, chunks):
-            kinds[id(engine)] = ("plain" if chunks[0].decode else "prefill", len(chunks))
+            kinds[id(engine)] = (step_kind(chunks), len(chunks))
             return plain(engine, chunks)
 
         def speculative_step(engine: LLMEngine, chunks):

@@ -147,3 +147,19 @@ class PagedHarness:
             BatchItem(first_id + i, 0, list(p), all_logits=True) for i, p in enumerate(prompts)
         ]
         return self.forward(Mode.PREFILL, items)
+
+
+def record_step_kinds(engine) -> list[str]:
+    """The kind of every step `engine` schedules from now on, appended as it is scheduled:
+    "decode", "prompt" or "mixed" (prompt chunks with running requests' decode tokens)."""
+    kinds: list[str] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        chunks = schedule()
+        decoding = sum(c.decode for c in chunks)
+        kinds.append("decode" if decoding == len(chunks) else "mixed" if decoding else "prompt")
+        return chunks
+
+    engine.scheduler.schedule = recorded
+    return kinds

@@ -102,6 +102,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, self.pages, capture)
         if self.uses_cuda_graphs:
             self._capture_graphs(spec_cfg if drafter is not None else None)
+            self.scheduler.mixes = self._mixes_in_graphs
         if self.proposer is not None:
             policy = None
             if args.spec_policy == "adaptive":
@@ -168,6 +169,17 @@ class LLMEngine:
                 save_profile(key, cost)
         return cost
 
+    def _mixes_in_graphs(self, prompt_chunks: int, decode_tokens: int, longest_chunk: int
+                         ) -> bool:
+        """A mixed step replays a prompt graph whose every row is padded to the longest
+        chunk: it runs unless the prompt chunks alone would replay one and the mixed batch
+        would not (run eagerly, a prompt step costs about ten decode steps in launches)."""
+        graphs = self.runner.graphs
+        assert graphs is not None
+        return (graphs.bucket(GraphMode.PREFILL, prompt_chunks + decode_tokens, longest_chunk)
+                is not None
+                or graphs.bucket(GraphMode.PREFILL, prompt_chunks, longest_chunk) is None)
+
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Validate and queue one request. Raises ValueError naming what is wrong."""
@@ -217,7 +229,10 @@ class LLMEngine:
         if not chunks:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
-        if self.speculative is None or not chunks[0].decode:
+        if self.speculative is None or not all(c.decode for c in chunks):
+            decoding = sum(c.decode for c in chunks)
+            if self.speculative is not None and decoding:  # a mixed step: plain for them
+                self.speculative.stats.record_budget(0, decoding)
             return self._plain_step(chunks)
         policy = self.speculative.policy
         speculate = self.speculative.wants_draft([c.seq for c in chunks],
@@ -248,11 +263,12 @@ class LLMEngine:
         return True
 
     def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
-        """Prefill chunks or one plain decode token per request. With a drafter, the new
-        tokens' context features go to the draft KV cache before the next draft: the first
-        token of a prompt does not wait for them, nor does a plain step the policy chose
-        (a decode or prompt graph writes them itself, and returns none)."""
-        mode = Mode.DECODE if chunks[0].decode else Mode.PREFILL
+        """Prompt chunks, one plain decode token per request, or both (a mixed step, run as
+        a prompt batch). With a drafter, the new tokens' context features go to the draft KV
+        cache before the next draft: the first token of a prompt does not wait for them, nor
+        does a plain step the policy chose (a decode or prompt graph writes them itself, and
+        returns none)."""
+        mode = Mode.DECODE if all(c.decode for c in chunks) else Mode.PREFILL
         items = [
             BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
                       wants_logits=c.samples)

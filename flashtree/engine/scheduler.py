@@ -1,9 +1,11 @@
 """Continuous batching: admits waiting sequences by free KV pages, prefills long prompts in
-chunks, decodes every running sequence together, and preempts (recompute) when pages run out."""
+chunks, decodes every running sequence together (in the same step as prompt chunks where the
+engine allows: a mixed step), and preempts (recompute) when pages run out."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashtree.config import SchedulerConfig
@@ -33,6 +35,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is preempted first
         self.num_preemptions = 0
+        # Whether a step of (prompt chunks, decode tokens, longest prompt chunk) may run as
+        # one forward; the engine narrows it where its graphs would not hold the mixed batch.
+        self.mixes: Callable[[int, int, int], bool] = _always
+
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -41,10 +47,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
-        """Pick the work of the next forward: prefill chunks if any sequence has more than one
-        uncomputed token (or is waiting and fits), else one decode token for every running one."""
-        chunks = self._schedule_prefill()
-        return chunks if chunks else self._schedule_decode()
+        """Pick the work of the next forward: one decode token for every running sequence
+        whose prompt is computed, and prefill chunks of the others and of waiting sequences
+        that fit. Both go in one step where `mixes` allows, else the prompt chunks run alone
+        and the decode tokens next. A mixed step admits requests at no cost of a step to the
+        running ones: where requests end at different steps (speculation makes them), each
+        admission would stall the batch for a prompt step of its own."""
+        decode = self._schedule_decode()  # first: the running requests' pages come first
+        prompt = self._schedule_prefill()
+        if not prompt:
+            return decode
+        if decode and self.mixes(len(prompt), len(decode), max(c.count for c in prompt)):
+            return decode + prompt
+        return prompt
 
     def _schedule_prefill(self) -> list[ScheduledChunk]:
         budget = self.cfg.max_num_batched_tokens
@@ -83,7 +98,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted by an earlier sequence of this loop
-            assert seq.num_uncomputed == 1, f"seq {seq.seq_id}: decode with unfinished prefill"
+            if seq.num_uncomputed > 1:
+                continue  # its prompt is still being prefilled in chunks
             if self._reserve(seq, seq.num_tokens):
                 chunks.append(ScheduledChunk(seq, seq.num_computed, 1, decode=True))
         return chunks
@@ -119,3 +135,7 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.finish(seq, "abort")
+
+
+def _always(prompt_chunks: int, decode_tokens: int, longest_chunk: int) -> bool:
+    return True

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from flashtree import LLM, SamplingParams
+from tests.helpers import record_step_kinds
 from tests.tiny import save_tiny_llama
 
 
@@ -44,9 +45,11 @@ def test_crowded_batch_matches_one_at_a_time(tiny_dir):
     # a prefill budget of 16 tokens forces chunked prefill of the longer prompts.
     crowded = _llm(tiny_dir, max_num_seqs=8, page_size=4, kv_cache_pages=40,
                    max_num_batched_tokens=16)
+    kinds = record_step_kinds(crowded.engine)
     outs = crowded.generate(prompts, params)
 
     assert [o.outputs[0].token_ids for o in outs] == expected
+    assert "mixed" in kinds  # admissions rode on running requests' decode steps
     assert all(len(o.outputs[0].token_ids) == sp.max_tokens for o, sp in zip(outs, params))
     assert crowded.engine.scheduler.num_preemptions > 0
     pages = crowded.engine.pages
@@ -65,6 +68,43 @@ def test_max_num_seqs_bounds_running(tiny_dir):
         peak = max(peak, len(engine.scheduler.running))
     assert peak == 3
     assert all(len(s.output_ids) == 5 for s in seqs)
+
+
+def _step_chunks(engine) -> list[list[tuple[int, bool]]]:
+    """(seq_id, decode) of every chunk of every step until the engine is done."""
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        chunks = schedule()
+        steps.append([(c.seq.seq_id, c.decode) for c in chunks])
+        return chunks
+
+    engine.scheduler.schedule = recorded
+    while engine.has_unfinished():
+        engine.step()
+    return steps
+
+
+@pytest.mark.parametrize("mixes", [True, False])
+def test_an_admission_carries_the_running_requests_decode_tokens_where_allowed(tiny_dir, mixes):
+    engine = _llm(tiny_dir, max_num_seqs=2).engine
+    if not mixes:
+        engine.scheduler.mixes = lambda prompt_chunks, decode_tokens, longest: False
+    short, long, late = (engine.add_request(p, SamplingParams(temperature=0, max_tokens=n,
+                                                              ignore_eos=True))
+                         for p, n in zip(_prompts(3), (3, 8, 4)))
+    steps = _step_chunks(engine)
+    # Both admitted together; `late` comes in once `short` ends, two tokens into `long`'s.
+    assert steps[0] == [(short.seq_id, False), (long.seq_id, False)]
+    assert steps[1] == [(short.seq_id, True), (long.seq_id, True)]
+    assert steps[2] == [(short.seq_id, True), (long.seq_id, True)]
+    if mixes:
+        assert steps[3] == [(long.seq_id, True), (late.seq_id, False)]
+    else:
+        assert steps[3:5] == [[(late.seq_id, False)], [(long.seq_id, True), (late.seq_id, True)]]
+    assert [len(s.output_ids) for s in (short, long, late)] == [3, 8, 4]
+    assert len(steps) == (8 if mixes else 9)
 
 
 def test_plain_decoding_accept_lengths_are_one(tiny_dir):

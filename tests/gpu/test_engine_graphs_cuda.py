@@ -12,6 +12,7 @@ import torch
 from flashtree import LLM, SamplingParams
 from flashtree.graphs.schema import GraphMode
 from flashtree.spec.policy import SpecPolicy
+from tests.helpers import record_step_kinds
 from tests.tiny import TINY_PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -44,6 +45,29 @@ def test_graph_engine_equals_eager_engine(small_pair, spec, policy, temperature)
         assert graphed.engine.proposer.graphs is not None
     assert _tokens(graphed, params) == _tokens(LLM(**kw, enforce_eager=True), params)
     assert graphed.engine.pages.num_free == graphed.engine.pages.num_pages
+
+
+def test_admissions_mix_with_decode_tokens_where_a_prompt_graph_holds_them(small_pair):
+    """A mixed step (prompt chunks with the running requests' decode tokens) replays a prompt
+    graph padded to its longest chunk: it is refused only where the prompt chunks alone would
+    replay one and the mixed batch would not. Requests of staggered lengths, two at a time,
+    admit mixed and give the eager engine's tokens."""
+    target, drafter = map(str, small_pair)
+    kw = dict(model=target, draft=drafter, spec="ddtree", device="cuda", dtype="float32",
+              skip_tokenizer_init=True, page_size=4, max_num_seqs=16)
+    mixes = LLM(**kw).engine._mixes_in_graphs
+    assert mixes(1, 15, 60)  # 16 x 64 rows: captured
+    assert not mixes(1, 15, 200)  # 16 x 256 rows: not captured, where 1 x 256 is
+    assert mixes(1, 15, 300)  # no prompt graph holds 300 tokens: eager either way
+    kw["max_num_seqs"] = 2
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (9, 30, 14, 5, 22)]
+    graphed = LLM(**kw)
+    kinds = record_step_kinds(graphed.engine)
+    tokens = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS, params)]
+    assert "mixed" in kinds
+    eager = LLM(**kw, enforce_eager=True)
+    assert tokens == [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
 
 
 def test_graphs_write_the_drafters_context(small_pair, monkeypatch):

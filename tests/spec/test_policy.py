@@ -46,6 +46,7 @@ from flashtree.spec.simulate import (
     run_steps,
 )
 from flashtree.spec.tree import best_first_levels, best_path_logprobs, build_trees, topk_logprobs
+from tests.helpers import record_step_kinds
 from tests.tiny import TINY_PROMPTS
 
 LEVELS = budget_levels(15)  # (0, 1, 2, 4, 8, 15)
@@ -524,9 +525,16 @@ def test_the_policy_holds_state_of_its_last_speculative_batch_alone(small_pair, 
         return verified
 
     spec.step = recorded
+    kinds = record_step_kinds(llm.engine)
     lengths = (9, 30, 14, 5, 22, 11, 17, 7)
-    llm.generate((PROMPTS * 2)[: len(lengths)], [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths])
+    prompts = (PROMPTS * 2)[: len(lengths)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate(prompts, params)
+    plain = LLM(model=str(target), device="cpu", skip_tokenizer_init=True, page_size=4)
+    # Lossless also where admissions ride on the batch's steps (mixed steps, run plain).
+    assert ([o.outputs[0].token_ids for o in outs]
+            == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
+    assert "mixed" in kinds
     assert len({frozenset(batch) for batch, _ in seen}) >= 4, seen  # the batch changed
     assert all(held <= batch for batch, held in seen), seen
     # What it holds is checked, not nothing (a steady step's outcome: from the next step).
