@@ -39,7 +39,6 @@ class Scheduler:
         # one forward; the engine narrows it where its graphs would not hold the mixed batch.
         self.mixes: Callable[[int, int, int], bool] = _always
 
-
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
