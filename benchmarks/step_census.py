@@ -26,6 +26,7 @@ from pathlib import Path
 
 from flashtree.cli import main
 from flashtree.engine.llm_engine import LLMEngine
+from flashtree.engine.scheduler import step_kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.verdict_trace import trace_verdicts  # noqa: E402
@@ -37,9 +38,8 @@ def engine_name(engine: LLMEngine) -> str:
     return "fixed" if engine.speculative.policy is None else "adaptive"
 
 
-def step_kind(chunks) -> str:
-    decoding = sum(c.decode for c in chunks)
-    return "plain" if decoding == len(chunks) else "mixed" if decoding else "prefill"
+# The census's names of the scheduler's step kinds (`step_kind`).
+_KINDS = {"decode": "plain", "prompt": "prefill", "mixed": "mixed"}
 
 
 class StepCensus:
@@ -56,7 +56,7 @@ class StepCensus:
         kinds: dict[int, tuple[str, int]] = {}  # id(engine) -> the running step's kind, batch
 
         def plain_step(engine: LLMEngine, chunks):
-            kinds[id(engine)] = (step_kind(chunks), len(chunks))
+            kinds[id(engine)] = (_KINDS[step_kind(chunks)], len(chunks))
             return plain(engine, chunks)
 
         def speculative_step(engine: LLMEngine, chunks):

@@ -10,6 +10,7 @@ import torch
 
 from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
+from flashtree.engine.scheduler import step_kind
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.llama import DecoderModel
 
@@ -149,17 +150,20 @@ class PagedHarness:
         return self.forward(Mode.PREFILL, items)
 
 
-def record_step_kinds(engine) -> list[str]:
-    """The kind of every step `engine` schedules from now on, appended as it is scheduled:
-    "decode", "prompt" or "mixed" (prompt chunks with running requests' decode tokens)."""
-    kinds: list[str] = []
+def record_schedules(engine) -> list[list]:
+    """The chunks of every step `engine` schedules from now on, appended as it schedules."""
+    steps: list[list] = []
     schedule = engine.scheduler.schedule
 
     def recorded():
         chunks = schedule()
-        decoding = sum(c.decode for c in chunks)
-        kinds.append("decode" if decoding == len(chunks) else "mixed" if decoding else "prompt")
+        steps.append(chunks)
         return chunks
 
     engine.scheduler.schedule = recorded
-    return kinds
+    return steps
+
+
+def ran_mixed_steps(steps: list[list]) -> bool:
+    """Whether any of `record_schedules`'s steps carried prompt chunks and decode tokens."""
+    return any(step_kind(chunks) == "mixed" for chunks in steps)

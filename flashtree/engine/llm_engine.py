@@ -15,7 +15,7 @@ from flashtree.distributed import get_tp_rank, get_tp_size, tp_broadcast_object,
 from flashtree.distributed.vocab import vocab_argmax
 from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.engine.model_runner import ModelRunner
-from flashtree.engine.scheduler import ScheduledChunk, Scheduler
+from flashtree.engine.scheduler import ScheduledChunk, Scheduler, step_kind
 from flashtree.engine.sequence import Sequence
 from flashtree.engine.speculative import SpecConfig, SpeculativeDecoder
 from flashtree.graphs.runner import batch_buckets
@@ -229,10 +229,10 @@ class LLMEngine:
         if not chunks:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
-        if self.speculative is None or not all(c.decode for c in chunks):
-            decoding = sum(c.decode for c in chunks)
-            if self.speculative is not None and decoding:  # a mixed step: plain for them
-                self.speculative.stats.record_budget(0, decoding)
+        kind = step_kind(chunks)
+        if self.speculative is None or kind != "decode":
+            if self.speculative is not None and kind == "mixed":  # plain for the decoding
+                self.speculative.stats.record_budget(0, sum(c.decode for c in chunks))
             return self._plain_step(chunks)
         policy = self.speculative.policy
         speculate = self.speculative.wants_draft([c.seq for c in chunks],
@@ -268,7 +268,7 @@ class LLMEngine:
         cache before the next draft: the first token of a prompt does not wait for them, nor
         does a plain step the policy chose (a decode or prompt graph writes them itself, and
         returns none)."""
-        mode = Mode.DECODE if all(c.decode for c in chunks) else Mode.PREFILL
+        mode = Mode.DECODE if step_kind(chunks) == "decode" else Mode.PREFILL
         items = [
             BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
                       wants_logits=c.samples)

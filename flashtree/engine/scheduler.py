@@ -136,5 +136,12 @@ class Scheduler:
         self.finish(seq, "abort")
 
 
+def step_kind(chunks: list[ScheduledChunk]) -> str:
+    """"decode" (one token of every chunk's request), "prompt" (prompt chunks alone) or
+    "mixed" (both)."""
+    decoding = sum(c.decode for c in chunks)
+    return "decode" if decoding == len(chunks) else "mixed" if decoding else "prompt"
+
+
 def _always(prompt_chunks: int, decode_tokens: int, longest_chunk: int) -> bool:
     return True

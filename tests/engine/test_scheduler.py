@@ -8,7 +8,7 @@ import random
 import pytest
 
 from flashtree import LLM, SamplingParams
-from tests.helpers import record_step_kinds
+from tests.helpers import ran_mixed_steps, record_schedules
 from tests.tiny import save_tiny_llama
 
 
@@ -45,11 +45,11 @@ def test_crowded_batch_matches_one_at_a_time(tiny_dir):
     # a prefill budget of 16 tokens forces chunked prefill of the longer prompts.
     crowded = _llm(tiny_dir, max_num_seqs=8, page_size=4, kv_cache_pages=40,
                    max_num_batched_tokens=16)
-    kinds = record_step_kinds(crowded.engine)
+    schedules = record_schedules(crowded.engine)
     outs = crowded.generate(prompts, params)
 
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert "mixed" in kinds  # admissions rode on running requests' decode steps
+    assert ran_mixed_steps(schedules)  # admissions rode on running requests' decode steps
     assert all(len(o.outputs[0].token_ids) == sp.max_tokens for o, sp in zip(outs, params))
     assert crowded.engine.scheduler.num_preemptions > 0
     pages = crowded.engine.pages
@@ -72,18 +72,10 @@ def test_max_num_seqs_bounds_running(tiny_dir):
 
 def _step_chunks(engine) -> list[list[tuple[int, bool]]]:
     """(seq_id, decode) of every chunk of every step until the engine is done."""
-    steps = []
-    schedule = engine.scheduler.schedule
-
-    def recorded():
-        chunks = schedule()
-        steps.append([(c.seq.seq_id, c.decode) for c in chunks])
-        return chunks
-
-    engine.scheduler.schedule = recorded
+    steps = record_schedules(engine)
     while engine.has_unfinished():
         engine.step()
-    return steps
+    return [[(c.seq.seq_id, c.decode) for c in chunks] for chunks in steps]
 
 
 @pytest.mark.parametrize("mixes", [True, False])
