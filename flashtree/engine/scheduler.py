@@ -48,10 +48,11 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """Pick the work of the next forward: one decode token for every running sequence
         whose prompt is computed, and prefill chunks of the others and of waiting sequences
-        that fit. Both go in one step where `mixes` allows, else the prompt chunks run alone
-        and the decode tokens next. A mixed step admits requests at no cost of a step to the
-        running ones: where requests end at different steps (speculation makes them), each
-        admission would stall the batch for a prompt step of its own."""
+        that fit. Both go in one step where `mixes` allows (the decode tokens first: see
+        `step_kind`), else the prompt chunks run alone and the decode tokens next. A mixed
+        step admits requests at no cost of a step to the running ones: where requests end at
+        different steps (speculation makes them), each admission would stall the batch for a
+        prompt step of its own."""
         decode = self._schedule_decode()  # first: the running requests' pages come first
         prompt = self._schedule_prefill()
         if not prompt:
@@ -138,9 +139,11 @@ class Scheduler:
 
 def step_kind(chunks: list[ScheduledChunk]) -> str:
     """"decode" (one token of every chunk's request), "prompt" (prompt chunks alone) or
-    "mixed" (both)."""
-    decoding = sum(c.decode for c in chunks)
-    return "decode" if decoding == len(chunks) else "mixed" if decoding else "prompt"
+    "mixed" (both), of a step `Scheduler.schedule` made: its decode tokens come first, so the
+    first and last chunks tell (the engine asks twice a step; a scan of 256 chunks took 4 us)."""
+    if chunks[-1].decode:
+        return "decode"
+    return "mixed" if chunks[0].decode else "prompt"
 
 
 def _always(prompt_chunks: int, decode_tokens: int, longest_chunk: int) -> bool:
