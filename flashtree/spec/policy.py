@@ -32,7 +32,8 @@ POLICIES = ("adaptive", "fixed")
 T = TypeVar("T")
 _DECAY = 0.9  # weight of the past in the acceptance sums, per step
 _PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
-_MIN_BACKOFF = 8  # plain steps after the first verdict against speculation
+_MIN_BACKOFF = 9  # plain steps after the first verdict against speculation: the first one
+# untimed (_COLD_PLAIN_STEPS), then _TRUSTED_PLAIN that re-time plain decoding
 _MAX_BACKOFF = 1024  # at most this many plain steps between two probes of speculation, unless
 _PROBE_SHARE = 1 / 32  # a probe's extra time would be more than this share of its back-off
 # Weight of the newest speculative step in RecentSpeculation: a step's accepted drafts vary
@@ -92,6 +93,16 @@ _TRUSTED_PLAIN = 8  # plain steps from which a bucket's own plain step time is u
 # 40,8`) put that one 10-20% above the run's steady time, the next ones within 3%: 3.89 ms,
 # then 3.18-3.23 at 1 request; 4.43, then 4.14, 4.14 and 4.04-3.98 at 16.
 _WARM_STEPS = 1
+# Plain steps after speculative ones whose times are not counted, for the same reason: in step
+# censuses on an H200 the first plain step after speculative ones took 6-12% more than the
+# steady ones (medians 1.74 against 1.55 ms at 16 requests, 2.34 against 2.12 at 64, 4.33
+# against 4.10 at 256), the second as much as those. A plain probe (one plain step every
+# _PLAIN_PROBE or more speculative ones) timed only such steps, and the plain step time it
+# kept was that much too slow: at 16 requests, where speculation loses ~15% a token, runs of
+# speculation went on for hundreds of steps on it, and benchmark rounds lost 10-20% to `none`.
+# Every re-timing of plain decoding after speculative steps (a plain probe, a recheck, a
+# back-off) runs this many plain steps more.
+_COLD_PLAIN_STEPS = 1
 # A probe's speculative steps: three of them are timed, and the verdict after a back-off's
 # probe may rest on these times alone (`BatchSizeState.end_probe`); their median holds through
 # one hiccup, where that of two (a mean) did not.
@@ -365,10 +376,11 @@ class BatchSizeState:
                                               maxlen=_SCALE_SAMPLES))
 
     def retime_plain_steps(self) -> None:
-        """The next _TRUSTED_PLAIN steps run plain and time plain decoding afresh (the older
-        plain times are dropped); they count as a plain probe."""
+        """The next _COLD_PLAIN_STEPS + _TRUSTED_PLAIN steps run plain and the last
+        _TRUSTED_PLAIN time plain decoding afresh (the older plain times are dropped); they
+        count as a plain probe."""
         self.plain_scale = StepScale()
-        self.plain_steps_left = _TRUSTED_PLAIN
+        self.plain_steps_left = _COLD_PLAIN_STEPS + _TRUSTED_PLAIN
         self.spec_steps, self.retime_plain, self.plain_probe_doublings = 0, False, 0
 
 
@@ -419,6 +431,7 @@ class SpecPolicy:
     recent: RecentSpeculation = field(default_factory=RecentSpeculation)
     predicted_s: float = 0.0  # forward seconds the last choice expects (draft + verify)
     run_length: int = 0  # speculative steps in a row up to the last observed one
+    plain_run: int = _COLD_PLAIN_STEPS  # plain steps since the last observed speculative one
     reach: dict[int, list[float]] = field(default_factory=dict)  # per request: its last tree's
     recent_reach: list[float] | None = None  # raw gains per level, and their recent average
     drain: DrainWatch = field(default_factory=DrainWatch)
@@ -457,8 +470,9 @@ class SpecPolicy:
         batch size) says a draft cannot pay for itself: a verdict, before drafting. A bucket
         times _TRUSTED_PLAIN plain steps of its own before its first verdict; once
         speculative steps are being measured, plain steps are too: one before the first
-        comparison and one every _PLAIN_PROBE speculative steps, twice as many steps after
-        each one whose forecast favours speculation by _WIDE_GAIN (the first after a resume
+        comparison and one every _PLAIN_PROBE speculative steps (each after _COLD_PLAIN_STEPS
+        untimed ones), twice as many steps after each one whose forecast favours
+        speculation by _WIDE_GAIN (the first after a resume
         from a back-off re-times _TRUSTED_PLAIN of them afresh: the resume was judged on the
         back-off's last few plain steps, and on a loaded machine those can be several times
         slower than the steps after them). Probes speculate without
@@ -488,6 +502,8 @@ class SpecPolicy:
             if size.retime_plain:
                 size.retime_plain_steps()
                 size.plain_steps_left -= 1  # this step is the first of them
+            else:  # this step runs cold; the next ones' times are the probe's
+                size.plain_steps_left = _COLD_PLAIN_STEPS
             return False
         self.probing = size.probe_steps_left > 0 or (self.timed
                                                      and not self._measured(_spec_scale))
@@ -595,8 +611,6 @@ class SpecPolicy:
         size.probe_steps_left = _PROBE_STEPS
         size.spec_steps, size.retime_plain = 0, False  # its plain steps re-time plain decoding
         size.plain_probe_doublings, size.plain_probed = 0, False
-        if size.backoff <= _TRUSTED_PLAIN:  # all of it is re-timed, the verdict's step first
-            size.plain_scale = StepScale()
 
     def forecast_pays(self, requests: int, margin: float = 0.0) -> bool:
         """Whether a speculative step of `requests` is expected to commit tokens faster than
@@ -764,9 +778,10 @@ class SpecPolicy:
                 size.probe_extra = size.probe_seconds / self.plain_s(requests) - _PROBE_STEPS
                 size.probe_seconds = None
         self.run_length = self.run_length + 1 if speculative else 0
+        self.plain_run = 0 if speculative else self.plain_run + 1
         if self.run_length > _WARM_STEPS:
             size.spec_scale.add(seconds, self.predicted_s)
-        elif not speculative:
+        elif self.plain_run > _COLD_PLAIN_STEPS:
             size.plain_scale.add(seconds, self.cost.target_s(requests))
 
     def hand_over(self, outcome: StepOutcome) -> None:

@@ -27,10 +27,12 @@ def chain_gains(accept: float, levels: tuple[int, ...]) -> list[float]:
 
 @dataclass(frozen=True)
 class SyntheticMachine:
-    """Plain steps take `plain_s`; speculative ones `spec_factor` x their profiled forwards
-    (the first `cold_steps` of them 3x that). A step accepts drafts as a real drafter's: each
-    next one with probability `accept` given its parent was (1.38 on average at 0.58, anywhere
-    from 0 to the tree's depth of 7), while the drafter's trees claim chain_gains(`claimed`).
+    """Plain steps take `plain_s` (the first after speculative ones `cold_plain` x that, as on
+    an H200, where it took 1.06-1.12x); speculative ones `spec_factor` x their profiled
+    forwards (the first `cold_steps` of them 3x that). A step accepts drafts as a real
+    drafter's: each next one with probability `accept` given its parent was (1.38 on average
+    at 0.58, anywhere from 0 to the tree's depth of 7), while the drafter's trees claim
+    chain_gains(`claimed`).
     With `jitter`, every step's time is off by a log-normal factor of that spread, and one step
     in 50 is 3-10x slower (a host hiccup): what a GPU's steps look like to the host. With
     `stretches`, ((steps, accept), ...) repeated, acceptance moves with the text instead: a
@@ -41,6 +43,7 @@ class SyntheticMachine:
     plain_s: float
     spec_factor: float
     cold_steps: int = 0
+    cold_plain: float = 1.0
     jitter: float = 0.0
     accept: float = 0.58
     claimed: float = 0.7
@@ -118,7 +121,7 @@ def run_steps(policy: SpecPolicy, machine: SyntheticMachine, steps: int, seed: i
             cold_steps -= 1
             tokens += 1 if policy.probing else 1 + accepted
         else:
-            seconds = machine.plain_s
+            seconds = machine.plain_s * (machine.cold_plain if budgets and budgets[-1] else 1.0)
             tokens += 1
         if machine.jitter:
             seconds *= rng.lognormvariate(0, machine.jitter) * (

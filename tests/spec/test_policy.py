@@ -18,6 +18,7 @@ from flashtree.engine.llm_engine import LLMEngine
 from flashtree.graphs.rows import RowGraphs
 from flashtree.spec.cost import load_profile, lower_envelope, save_profile
 from flashtree.spec.policy import (
+    _COLD_PLAIN_STEPS,
     _MARGIN,
     _MAX_BACKOFF,
     _MIN_BACKOFF,
@@ -145,14 +146,14 @@ def test_one_budget_per_step_is_the_best_shared_level():
 
 def test_a_verdict_against_speculation_backs_off_doubling_between_probes():
     """Where measured steps say drafting does not pay, the step runs plain and a back-off of
-    plain steps follows, doubling up to 1024 while verdicts keep coming, each followed by a
+    plain steps follows (9, 18, ...), doubling up to 1024 while verdicts keep coming, each followed by a
     probe of _PROBE_STEPS speculative steps (whatever the forecast says: their times are what
     the next verdict is judged by); once speculation pays, the back-off is over."""
     policy = SpecPolicy(_cost(per_token=1e-3, draft=0.05), LEVELS)
     _speculated(policy, requests=1, verified=4.0, accepted=0.02)  # a probe costs 1.2 plain steps
-    runs = _runs(_decode(policy, 1, 4200, plain_factor=1.0, spec_factor=1.0))
+    runs = _runs(_decode(policy, 1, 4400, plain_factor=1.0, spec_factor=1.0))
     assert runs[0][0] is False
-    assert [n for _, n in runs[0::2][:10]] == [8, 16, 32, 64, 128, 256, 512, 1024, 1024, 1024]
+    assert [n for _, n in runs[0::2][:10]] == [min(_MIN_BACKOFF << k, _MAX_BACKOFF) for k in range(10)]
     assert set(runs[1::2][:9]) == {(True, _PROBE_STEPS)}
     policy.cost = _cost(per_token=1e-6, draft=0.0)  # drafting and verifying are free now
     while not _decode(policy, 1, 1, plain_factor=1.0, spec_factor=1.0)[0]:  # the back-off
@@ -301,14 +302,16 @@ def test_speculation_resumes_once_a_stretch_the_drafter_drafts_badly_ends():
     """Acceptance moves with the text: 300 steps at 0.3 (speculation loses), then 900 at 0.7
     (it pays ~30%), and again. The verdict taken in a bad stretch must not outlast it: a
     back-off's probe restarts the acceptance averages' weight (`RecentSpeculation.restart`),
-    so the adaptive policy commits as fast as the full tree every step does here. With the
-    averages kept whole, it ran plain on three steps of four and reached 0.87 of it."""
+    so the adaptive policy commits nearly as fast as the full tree every step does here
+    (0.947 over these seeds, 0.977 while it timed the first plain step after speculative ones:
+    each re-timing of plain decoding now runs one plain step more). With the averages kept
+    whole, it ran plain on three steps of four and reached 0.87 of it (0.89 now)."""
     machine = SyntheticMachine(GPU_LIKE_PLAIN_S, 1.9, jitter=0.1, stretches=((300, 0.3),
                                                                               (900, 0.7)))
     ratios = [run_steps(SpecPolicy(GPU_LIKE, LEVELS), machine, 6000, seed)[1]
               / run_steps(fixed_policy(GPU_LIKE, LEVELS), machine, 6000, seed)[1]
               for seed in range(8)]
-    assert sum(ratios) / len(ratios) >= 0.95, ratios
+    assert sum(ratios) / len(ratios) >= 0.93, ratios
 
 
 def test_a_restart_weighs_the_acceptance_so_far_as_a_few_steps():
@@ -773,8 +776,8 @@ def test_a_verdict_against_running_speculation_is_rechecked_on_fresh_plain_steps
     """Plain steps are timed once every _PLAIN_PROBE speculative ones: when the whole
     machine slows down by a fifth, speculative steps show it first, and the forecast turns
     against speculation. The verdict is taken again after _TRUSTED_PLAIN plain steps timed
-    afresh, and speculation resumes; where speculative steps alone slowed down, the
-    back-off follows."""
+    afresh (after _COLD_PLAIN_STEPS untimed), and speculation resumes; where speculative
+    steps alone slowed down, the back-off follows."""
     for plain_factor, resumes in ((1.2, True), (1.0, False)):
         policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
         _forecast_gain(policy, requests=4, gain=1.08)
@@ -782,14 +785,40 @@ def test_a_verdict_against_running_speculation_is_rechecked_on_fresh_plain_steps
         runs = _runs(_decode(policy, 4, 60, plain_factor=plain_factor, spec_factor=1.2))
         assert runs[0][0] is True and runs[1][0] is False
         if resumes:
-            assert runs[1][1] == _TRUSTED_PLAIN and runs[2][0] is True
-            assert all(n == 1 for speculated, n in runs[2:] if not speculated)  # re-timing
+            assert runs[1][1] == _COLD_PLAIN_STEPS + _TRUSTED_PLAIN and runs[2][0] is True
+            assert all(n == _COLD_PLAIN_STEPS + 1 for speculated, n in runs[2:]
+                       if not speculated)  # plain probes
         else:
             assert runs[1][1] > _TRUSTED_PLAIN
 
 
+def test_the_first_plain_step_after_speculative_ones_is_not_timed():
+    """On an H200 the first plain step after speculative ones took 6-12% more than the next
+    ones, and up to 30% after long runs: a plain probe timed only such steps, and plain decoding
+    looked that much slower than it was. Here it takes 1.3x: speculation that gains 8% runs,
+    then slows down to lose 3% against warm plain steps. The plain probes time their second
+    step alone, so the forecast sees the loss and speculation backs off; timing their first
+    step, it saw a gain of 12% and went on."""
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _forecast_gain(policy, requests=4, gain=1.08)
+    spec = policy.cost.draft_s(4) + policy.cost.target_s(4 * 9)
+    drafted = [True]
+    for step in range(600):
+        spec_factor = 1.0 if step < 200 else 1.08 / 0.97
+        drafted.append(policy.should_draft(4))
+        policy.predicted_s = spec
+        cold = 1.3 if drafted[-2] else 1.0
+        policy.observe_step(drafted[-1], 4, spec_factor * spec if drafted[-1]
+                            else cold * policy.cost.target_s(4))
+    assert not all(drafted[1:201])  # plain probes ran
+    assert list(policy.at(4).plain_scale.samples) == pytest.approx(
+        [1.0] * len(policy.at(4).plain_scale.samples))
+    assert policy.at(4).backoff > 0 and not policy.at(4).speculating
+
+
 def test_plain_steps_come_further_apart_while_speculation_pays_clearly():
-    """One plain step re-measures plain decoding after _PLAIN_PROBE speculative ones; while
+    """One plain step (after _COLD_PLAIN_STEPS untimed ones) re-measures plain decoding after
+    _PLAIN_PROBE speculative ones; while
     the forecast on its time favours speculation by _WIDE_GAIN, the next comes twice as many
     steps later, up to _PLAIN_PROBE_DOUBLINGS doublings; where it favours speculation by
     less, every _PLAIN_PROBE steps. A verdict against speculation starts over."""
@@ -799,9 +828,10 @@ def test_plain_steps_come_further_apart_while_speculation_pays_clearly():
             _PLAIN_PROBE << d for d in range(_PLAIN_PROBE_DOUBLINGS)] + [widest, widest])):
         policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
         _forecast_gain(policy, requests=4, gain=gain)
-        runs = _runs(_decode(policy, 4, sum(gaps) + len(gaps), plain_factor=1.0,
+        probe = _COLD_PLAIN_STEPS + 1
+        runs = _runs(_decode(policy, 4, sum(gaps) + probe * len(gaps), plain_factor=1.0,
                              spec_factor=1.0))
-        assert runs == [r for gap in gaps for r in ((True, gap), (False, 1))], (gain, runs)
+        assert runs == [r for gap in gaps for r in ((True, gap), (False, probe))], (gain, runs)
     assert policy.at(4).plain_probe_doublings == _PLAIN_PROBE_DOUBLINGS
     _decode(policy, 4, 40, plain_factor=1.0, spec_factor=2.0)  # speculation stops paying
     assert not policy.at(4).speculating and policy.at(4).plain_probe_doublings == 0
@@ -977,19 +1007,20 @@ def test_speculation_resumed_on_plain_times_of_a_loaded_stretch_re_times_them_so
     assert all(n == _PROBE_STEPS for speculated, n in runs[2:] if speculated)
 
 
-def test_a_back_off_of_eight_steps_re_times_all_of_them_its_verdict_step_first():
+def test_the_shortest_back_off_re_times_all_of_its_steps_after_the_verdicts_own():
     """Speculation costs 1.4% more than it commits (nothing accepted, a nearly free draft and
-    verify): the verdict, taken by should_draft, backs off 8 steps, the verdict's own step
-    first, and plain steps then take 1.1x what they took before. The verdict after the probe
-    is taken on those 8 steps alone, and speculation gains 8.5% on them; among the older
-    times (32 at 1.0x) it would lose again."""
+    verify): the verdict, taken by should_draft, backs off _MIN_BACKOFF steps, the verdict's
+    own step first (untimed: it follows speculative steps), and plain steps then take 1.1x
+    what they took before. The verdict after the probe is taken on the back-off's other 8
+    steps alone, and speculation gains 8.5% on them; among the older times (32 at 1.0x) it
+    would lose again."""
     policy = SpecPolicy(_cost(per_token=1e-6, base=0.01, draft=1e-4), LEVELS)
     spec = policy.cost.draft_s(4) + policy.cost.target_s(36)
     _forecast_gain(policy, requests=4, gain=policy.cost.target_s(4) / spec)  # 0 accepted
     _plain_steps_at(policy, 4, 1.0)
     assert not policy.forecast_pays(4)
     runs = _runs(_decode(policy, 4, 40, plain_factor=1.1, spec_factor=1.0))
-    assert runs[0] == (False, _MIN_BACKOFF) and _MIN_BACKOFF == _TRUSTED_PLAIN
+    assert runs[0] == (False, _MIN_BACKOFF) == (False, _COLD_PLAIN_STEPS + _TRUSTED_PLAIN)
     assert runs[1][0] is True and runs[1][1] > _PROBE_STEPS  # speculation resumed
     assert list(policy.at(4).plain_scale.samples) == [pytest.approx(1.1)] * _TRUSTED_PLAIN
 
