@@ -93,15 +93,15 @@ _TRUSTED_PLAIN = 8  # plain steps from which a bucket's own plain step time is u
 # 40,8`) put that one 10-20% above the run's steady time, the next ones within 3%: 3.89 ms,
 # then 3.18-3.23 at 1 request; 4.43, then 4.14, 4.14 and 4.04-3.98 at 16.
 _WARM_STEPS = 1
-# Plain steps after speculative ones whose times are not counted, for the same reason: in step
-# censuses on an H200 the first plain step after speculative ones took 6-12% more than the
-# steady ones (medians 1.74 against 1.55 ms at 16 requests, 2.34 against 2.12 at 64, 4.33
-# against 4.10 at 256), the second as much as those. A plain probe (one plain step every
-# _PLAIN_PROBE or more speculative ones) timed only such steps, and the plain step time it
-# kept was that much too slow: at 16 requests, where speculation loses ~15% a token, runs of
-# speculation went on for hundreds of steps on it, and benchmark rounds lost 10-20% to `none`.
-# Every re-timing of plain decoding after speculative steps (a plain probe, a recheck, a
-# back-off) runs this many plain steps more.
+# Plain steps after speculative ones whose times are not counted, for the same reason. In step
+# censuses on an H200 (`benchmarks/results/bench_gpu_sweep_2026-12-03/`) the first plain step
+# after speculative ones took 11% more than plain steps after plain ones at 16 and 64 requests
+# (medians of 7 and 5 such steps: 1.74 against 1.57 ms, 2.33 against 2.10), and at 16 the
+# plain probes (one plain step every _PLAIN_PROBE or more speculative ones) timed 1.17-1.28x
+# the profile where 8 plain steps in a row timed 0.90-0.92x. Plain decoding looked that much
+# slower than it was: speculation that lost ~15% a token went on for hundreds of steps, and
+# benchmark rounds lost 10-20% to `none`. Every re-timing of plain decoding after speculative
+# steps (a plain probe, a recheck, a back-off) runs this many plain steps more.
 _COLD_PLAIN_STEPS = 1
 # A probe's speculative steps: three of them are timed, and the verdict after a back-off's
 # probe may rest on these times alone (`BatchSizeState.end_probe`); their median holds through

@@ -28,11 +28,11 @@ def chain_gains(accept: float, levels: tuple[int, ...]) -> list[float]:
 @dataclass(frozen=True)
 class SyntheticMachine:
     """Plain steps take `plain_s` (the first after speculative ones `cold_plain` x that, as on
-    an H200, where it took 1.06-1.12x); speculative ones `spec_factor` x their profiled
-    forwards (the first `cold_steps` of them 3x that). A step accepts drafts as a real
-    drafter's: each next one with probability `accept` given its parent was (1.38 on average
-    at 0.58, anywhere from 0 to the tree's depth of 7), while the drafter's trees claim
-    chain_gains(`claimed`).
+    an H200, where it took 1.11x at 16 and 64 requests); speculative ones `spec_factor` x
+    their profiled forwards (the first `cold_steps` of them 3x that). A step accepts drafts
+    as a real drafter's: each next one with probability `accept` given its parent was (1.38
+    on average at 0.58, anywhere from 0 to the tree's depth of 7), while the drafter's trees
+    claim chain_gains(`claimed`).
     With `jitter`, every step's time is off by a log-normal factor of that spread, and one step
     in 50 is 3-10x slower (a host hiccup): what a GPU's steps look like to the host. With
     `stretches`, ((steps, accept), ...) repeated, acceptance moves with the text instead: a
