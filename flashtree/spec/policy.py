@@ -96,12 +96,14 @@ _WARM_STEPS = 1
 # Plain steps after speculative ones whose times are not counted, for the same reason. In step
 # censuses on an H200 (`benchmarks/results/bench_gpu_sweep_2026-12-03/`) the first plain step
 # after speculative ones took 11% more than plain steps after plain ones at 16 and 64 requests
-# (medians of 7 and 5 such steps: 1.74 against 1.57 ms, 2.33 against 2.10), and at 16 the
-# plain probes (one plain step every _PLAIN_PROBE or more speculative ones) timed 1.17-1.28x
-# the profile where 8 plain steps in a row timed 0.90-0.92x. Plain decoding looked that much
-# slower than it was: speculation that lost ~15% a token went on for hundreds of steps, and
-# benchmark rounds lost 10-20% to `none`. Every re-timing of plain decoding after speculative
-# steps (a plain probe, a recheck, a back-off) runs this many plain steps more.
+# (medians of 7 and 5 such steps: 1.74 against 1.57 ms, 2.33 against 2.10; the second one
+# took what the others did). A plain probe (one plain step every _PLAIN_PROBE or more
+# speculative ones) timed only such steps, and plain decoding looked slower than it was: at
+# 16 requests, where speculation loses ~15% a token, the plain times taken right after runs
+# of it read 1.17-1.28x the profile where a back-off's read 0.90-0.92x (a slow stretch of
+# the machine is part of it), speculation went on for ~300 steps, and benchmark rounds lost
+# 10-20% to `none`. Every re-timing of plain decoding after speculative steps (a plain probe,
+# a recheck, a back-off) runs this many plain steps more.
 _COLD_PLAIN_STEPS = 1
 # A probe's speculative steps: three of them are timed, and the verdict after a back-off's
 # probe may rest on these times alone (`BatchSizeState.end_probe`); their median holds through
