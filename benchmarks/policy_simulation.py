@@ -4,7 +4,11 @@ loses, with and without step-time jitter, where acceptance moves with the text (
 the drafter drafts badly, then well), and where speculative steps slow down in stretches. No
 model runs; CPU only, about 40 s per setting.
 
-    python benchmarks/policy_simulation.py [--seeds 32] [--steps 6000]
+    python benchmarks/policy_simulation.py [--seeds 32] [--steps 6000] [--cold-plain 1.0]
+
+`--cold-plain F`: the first plain step after speculative ones takes F x a plain step (on an
+H200, 1.11x in step censuses at 16 and 64 requests, up to 1.3x after long runs of
+speculation).
 
 Settings are the policy module's constants (the step-time median window, the probes' share of
 a back-off, the acceptance's weight when a probe begins, how many steps its standard error
@@ -52,6 +56,8 @@ SETTINGS = [  # (label, {constant: value}); the first row is the code as it stan
     ("probes of two timed steps", {"_PROBE_STEPS": 3}),
     ("a young acceptance average's steps counted as independent", {"_CORRELATED_STEPS": 1}),
     ("a plain step every 64 speculative ones, never fewer", {"_PLAIN_PROBE_DOUBLINGS": 0}),
+    ("every plain step timed (the first after speculative ones too)",
+     {"_COLD_PLAIN_STEPS": 0, "_MIN_BACKOFF": 8}),
 ]
 FIXED = "fixed (full tree every step)"
 
@@ -72,9 +78,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=32)
     parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--cold-plain", type=float, default=1.0)
     args = parser.parse_args()
     if args.seeds < 1 or args.steps < 1:
         parser.error(f"--seeds and --steps must be >= 1, got {args.seeds} and {args.steps}")
+    if args.cold_plain < 1.0:
+        parser.error(f"--cold-plain is a slowdown, >= 1.0, got {args.cold_plain}")
     levels = budget_levels(15)
     print(f"`python {' '.join(sys.argv)}`: {args.seeds} seeds x {args.steps} steps per cell; "
           "tokens/s over plain decoding's (mean over seeds)\n")
@@ -88,7 +97,8 @@ def main() -> int:
             cells = []
             for factor, jitter, stretches, slowdowns in CASES:
                 machine = SyntheticMachine(GPU_LIKE_PLAIN_S, factor, jitter=jitter,
-                                           stretches=stretches, slowdowns=slowdowns)
+                                           stretches=stretches, slowdowns=slowdowns,
+                                           cold_plain=args.cold_plain)
                 rates = [run_steps(fixed_policy(GPU_LIKE, levels) if label == FIXED
                                    else SpecPolicy(GPU_LIKE, levels),
                                    machine, args.steps, seed)[1] for seed in range(args.seeds)]
