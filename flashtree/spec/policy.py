@@ -473,12 +473,12 @@ class SpecPolicy:
         times _TRUSTED_PLAIN plain steps of its own before its first verdict; once
         speculative steps are being measured, plain steps are too: one before the first
         comparison and one every _PLAIN_PROBE speculative steps (each after _COLD_PLAIN_STEPS
-        untimed ones), twice as many steps after each one whose forecast favours
-        speculation by _WIDE_GAIN (the first after a resume
-        from a back-off re-times _TRUSTED_PLAIN of them afresh: the resume was judged on the
-        back-off's last few plain steps, and on a loaded machine those can be several times
-        slower than the steps after them). Probes speculate without
-        asking the forecast, and commit what a plain step would (`probing`). Starting to
+        untimed ones), twice as many steps after each one whose forecast favours speculation
+        by _WIDE_GAIN (the first after a resume from a back-off re-times _TRUSTED_PLAIN of them
+        afresh: the resume was judged on the back-off's last few plain steps, and on a loaded
+        machine those can be several times slower than the steps after them). Probes
+        speculate without asking the forecast, and commit what a plain step would
+        (`probing`). Starting to
         speculate takes a forecast gain of `_margin()`, going on a break-even; a verdict
         against running speculation is taken again on fresh plain steps (`recheck`).
         `remaining`: where no other request waits, a function giving each request's tokens
