@@ -21,6 +21,7 @@ import timeit
 
 from flashtree.engine.candidates import _CHOICE_STEPS
 from flashtree.spec.policy import (
+    _COLD_PLAIN_STEPS,
     _TRUSTED_PLAIN,
     _WARM_STEPS,
     SpecPolicy,
@@ -35,8 +36,8 @@ def time_steps(requests: int, seen: list[int], steps: int) -> tuple[float, float
     device would verify (the best of five timings)."""
     policy = SpecPolicy(GPU_LIKE, budget_levels(15), one_budget=True)
     for size in seen:  # plain and speculative steps timed at this batch size
-        for _ in range(_TRUSTED_PLAIN):
-            policy.observe_step(False, size, 1e-3)
+        for _ in range(_COLD_PLAIN_STEPS + _TRUSTED_PLAIN):  # the first after speculation
+            policy.observe_step(False, size, 1e-3)  # (the last size's) is not timed
         policy.run_length = _WARM_STEPS  # past the untimed steps of a run
         policy.observe_step(True, size, 3e-3)
     ids = list(range(requests))
