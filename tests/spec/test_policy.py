@@ -542,8 +542,12 @@ def test_the_policy_holds_state_of_its_last_speculative_batch_alone(small_pair, 
     assert ran_mixed_steps(schedules)
     assert len({frozenset(batch) for batch, _ in seen}) >= 4, seen  # the batch changed
     assert all(held <= batch for batch, held in seen), seen
-    # What it holds is checked, not nothing (a steady step's outcome: from the next step).
-    assert all(held for _, held in seen[int(steady):]), seen
+    # What it holds is checked, not nothing. A steady step's outcome is taken in by the next
+    # step: after a steady step the policy holds state of requests that were in the step
+    # before too, none where the batch changed whole (which steps that is depends on the
+    # budgets, chosen from a start-up profile timed on this machine).
+    assert all(held for k, (batch, held) in enumerate(seen)
+               if not steady or (k > 0 and batch & seen[k - 1][0])), seen
 
 
 def test_policy_name_is_checked(small_pair):
