@@ -804,7 +804,7 @@ def test_the_first_plain_step_after_speculative_ones_is_not_timed():
     steps, and plain decoding looked that much slower than it was. Here it takes 1.3x:
     speculation that gains 8% runs, then slows down to lose 3% against warm plain steps. The
     plain probes time their second step alone, so the forecast sees the loss and speculation
-    backs off; timing their first step, it saw a gain of 12% and went on."""
+    backs off; timing their first step, it saw a gain of 26% and went on."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     _forecast_gain(policy, requests=4, gain=1.08)
     spec = policy.cost.draft_s(4) + policy.cost.target_s(4 * 9)
@@ -824,10 +824,10 @@ def test_the_first_plain_step_after_speculative_ones_is_not_timed():
 
 def test_plain_steps_come_further_apart_while_speculation_pays_clearly():
     """One plain step (after _COLD_PLAIN_STEPS untimed ones) re-measures plain decoding after
-    _PLAIN_PROBE speculative ones; while
-    the forecast on its time favours speculation by _WIDE_GAIN, the next comes twice as many
-    steps later, up to _PLAIN_PROBE_DOUBLINGS doublings; where it favours speculation by
-    less, every _PLAIN_PROBE steps. A verdict against speculation starts over."""
+    _PLAIN_PROBE speculative ones; while the forecast on its time favours speculation by
+    _WIDE_GAIN, the next comes twice as many steps later, up to _PLAIN_PROBE_DOUBLINGS
+    doublings; where it favours speculation by less, every _PLAIN_PROBE steps. A verdict
+    against speculation starts over."""
     assert 1.08 < 1 + _WIDE_GAIN < 1.3 and _PLAIN_PROBE_DOUBLINGS >= 1
     widest = _PLAIN_PROBE << _PLAIN_PROBE_DOUBLINGS
     for gain, gaps in ((1.08, [_PLAIN_PROBE] * 5), (1.3, [
