@@ -20,13 +20,13 @@ import time
 import timeit
 
 from flashtree.engine.candidates import _CHOICE_STEPS
+from flashtree.spec.budgets import budget_levels
 from flashtree.spec.policy import (
     _COLD_PLAIN_STEPS,
     _TRUSTED_PLAIN,
     _WARM_STEPS,
     SpecPolicy,
     StepOutcome,
-    budget_levels,
 )
 from flashtree.spec.simulate import GPU_LIKE, chain_gains
 

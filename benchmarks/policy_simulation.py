@@ -23,7 +23,8 @@ import contextlib
 import sys
 
 from flashtree.spec import policy as policy_module
-from flashtree.spec.policy import SpecPolicy, budget_levels
+from flashtree.spec.budgets import budget_levels
+from flashtree.spec.policy import SpecPolicy
 from flashtree.spec.simulate import (
     GPU_LIKE,
     GPU_LIKE_PLAIN_S,

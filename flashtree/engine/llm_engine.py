@@ -24,9 +24,10 @@ from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
 from flashtree.sampling import SamplingParams, SamplingRow, sample_tokens
+from flashtree.spec.budgets import CostModel, budget_levels
 from flashtree.spec.cost import load_profile, measure_cost_model, save_profile
 from flashtree.spec.dflash import ContextRows, DFlashProposer
-from flashtree.spec.policy import CostModel, SpecPolicy, budget_levels
+from flashtree.spec.policy import SpecPolicy
 from flashtree.tokenizer import Tokenizer
 
 # Largest target forward the cost profile measures (bigger batches extrapolate its last slope).

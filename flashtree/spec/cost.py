@@ -17,8 +17,8 @@ import torch
 from flashtree.engine.forward_batch import BatchItem, Mode, causal_mask
 from flashtree.engine.model_runner import ModelRunner
 from flashtree.kv.cache import PageTables
+from flashtree.spec.budgets import CostModel
 from flashtree.spec.dflash import DFlashProposer
-from flashtree.spec.policy import CostModel
 
 _SCRATCH_ID = -1_000_000  # scratch request ids, below any real one (real ids count from 0)
 _CHUNK = 16  # tokens per scratch request in a target forward (a verify block)

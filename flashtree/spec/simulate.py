@@ -9,7 +9,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from flashtree.spec.policy import CostModel, SpecPolicy
+from flashtree.spec.budgets import CostModel
+from flashtree.spec.policy import SpecPolicy
 
 # A small model on a GPU (seconds): 1 ms per target forward plus 2 us per token, 0.5 ms per
 # draft, and plain steps that take 1.37 ms in all.

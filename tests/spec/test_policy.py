@@ -16,6 +16,7 @@ from flashtree import LLM, SamplingParams
 from flashtree.engine import candidates
 from flashtree.engine.llm_engine import LLMEngine
 from flashtree.graphs.rows import RowGraphs
+from flashtree.spec.budgets import CostModel, budget_levels, choose_budgets
 from flashtree.spec.cost import load_profile, lower_envelope, save_profile
 from flashtree.spec.policy import (
     _COLD_PLAIN_STEPS,
@@ -30,13 +31,10 @@ from flashtree.spec.policy import (
     _TRUSTED_PLAIN,
     _WARM_STEPS,
     _WIDE_GAIN,
-    CostModel,
     RecentSpeculation,
     SpecPolicy,
     _plain_scale,
     _spec_scale,
-    budget_levels,
-    choose_budgets,
 )
 from flashtree.spec.simulate import (
     GPU_LIKE,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.spec.policy import CostModel
+from flashtree.spec.budgets import CostModel
 from flashtree.train.drafter import (
     Example,
     TrainConfig,
