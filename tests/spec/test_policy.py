@@ -731,17 +731,19 @@ def _plain_steps_at(policy: SpecPolicy, requests: int, factor: float) -> None:
 
 
 def _decode(policy: SpecPolicy, requests: int, steps: int, plain_factor: float,
-            spec_factor: float) -> list[bool]:
+            spec_factor: float, cold_plain: float = 1.0) -> list[bool]:
     """`steps` decode steps as the engine runs them (acceptance as it was): each speculative
     one (8 drafts verified per request) timed at `spec_factor` x its profile, each plain one
-    at `plain_factor` x its profile. Returns whether each step speculated."""
+    at `plain_factor` x its profile (`cold_plain` x that right after a speculative step).
+    Returns whether each step speculated."""
     spec = policy.cost.draft_s(requests) + policy.cost.target_s(requests * 9)
     drafted = []
     for _ in range(steps):
         drafted.append(policy.should_draft(requests))
         policy.predicted_s = spec
+        plain = plain_factor * (cold_plain if policy.run_length else 1.0)
         policy.observe_step(drafted[-1], requests, spec_factor * spec if drafted[-1]
-                            else plain_factor * policy.cost.target_s(requests))
+                            else plain * policy.cost.target_s(requests))
     return drafted
 
 
@@ -805,16 +807,9 @@ def test_the_first_plain_step_after_speculative_ones_is_not_timed():
     backs off; timing their first step, it saw a gain of 26% and went on."""
     policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
     _forecast_gain(policy, requests=4, gain=1.08)
-    spec = policy.cost.draft_s(4) + policy.cost.target_s(4 * 9)
-    drafted = [True]
-    for step in range(600):
-        spec_factor = 1.0 if step < 200 else 1.08 / 0.97
-        drafted.append(policy.should_draft(4))
-        policy.predicted_s = spec
-        cold = 1.3 if drafted[-2] else 1.0
-        policy.observe_step(drafted[-1], 4, spec_factor * spec if drafted[-1]
-                            else cold * policy.cost.target_s(4))
-    assert not all(drafted[1:201])  # plain probes ran
+    paying = _decode(policy, 4, 200, plain_factor=1.0, spec_factor=1.0, cold_plain=1.3)
+    assert not all(paying)  # plain probes ran
+    _decode(policy, 4, 400, plain_factor=1.0, spec_factor=1.08 / 0.97, cold_plain=1.3)
     assert list(policy.at(4).plain_scale.samples) == pytest.approx(
         [1.0] * len(policy.at(4).plain_scale.samples))
     assert policy.at(4).backoff > 0 and not policy.at(4).speculating
