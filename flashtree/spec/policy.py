@@ -673,7 +673,9 @@ class SpecPolicy:
         the draft cache) and cost more than the steps of a run that follow, and a
         run's steps are what the choice to keep speculating is about (probes alone would
         otherwise be judged by their switching cost, and hold speculation off where runs of
-        it pay). A probe's steps are summed up (`back_off` weighs the next probe by them)."""
+        it pay). Nor are the first _COLD_PLAIN_STEPS plain steps after speculative ones, which
+        run slower than the plain steps after them. A probe's steps are summed up (`back_off`
+        weighs the next probe by them)."""
         size = self.at(requests)
         if speculative and self.probing and size.probe_seconds is not None:
             size.probe_seconds += seconds
