@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from flashtree.cli import main
@@ -42,8 +43,8 @@ def describe(policy: SpecPolicy, requests: int) -> str:
 def trace_verdicts() -> None:
     """Every SpecPolicy's rechecks, back-offs and resumes, printed to stderr as they come."""
     start = time.perf_counter()
-    recheck, back_off, forecast_pays = (SpecPolicy.recheck, SpecPolicy.back_off,
-                                        SpecPolicy.forecast_pays)
+    recheck, back_off, should_draft = (SpecPolicy.recheck, SpecPolicy.back_off,
+                                       SpecPolicy.should_draft)
 
     def note(policy: SpecPolicy, kind: str, requests: int) -> None:
         print(f"verdict {time.perf_counter() - start:8.2f} s {kind}: "
@@ -57,14 +58,19 @@ def trace_verdicts() -> None:
         note(self, "back-off", requests)
         back_off(self, requests)
 
-    def traced_forecast(self: SpecPolicy, requests: int, margin: float = 0.0) -> bool:
-        pays = forecast_pays(self, requests, margin)
-        if pays and self.at(requests).backoff > 0:
-            note(self, "resume", requests)
-        return pays
+    def traced_should_draft(self: SpecPolicy, requests: int,
+                            remaining: Callable[[], list[int]] | None = None) -> bool:
+        # a resume ends the back-off; a forecast that pays where a draining batch still
+        # decodes plain (`DrainWatch`) leaves it, and is no verdict
+        size = self.at(requests)
+        backoff = size.backoff
+        drafts = should_draft(self, requests, remaining)
+        if backoff > 0 and size.backoff == 0:
+            note(self, f"resume after back-off {backoff}", requests)
+        return drafts
 
     SpecPolicy.recheck, SpecPolicy.back_off = traced_recheck, traced_back_off
-    SpecPolicy.forecast_pays = traced_forecast
+    SpecPolicy.should_draft = traced_should_draft
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.verdict_trace import trace_verdicts
 from flashtree import LLM, SamplingParams
 from flashtree.spec.policy import SpecPolicy
+from tests.spec.test_policy import LEVELS, _cost, _forecast_gain
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +36,26 @@ def test_a_traced_bench_run_prints_each_verdict_with_the_forecast_s_inputs(tiny_
     assert all("speculative times " in line for line in verdicts), verdicts
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert sorted(r["spec"] for r in rows) == ["ddtree", "none"]
+
+
+def test_a_resume_is_traced_once_and_not_while_a_draining_batch_stays_plain(monkeypatch,
+                                                                             capsys):
+    """After a back-off, a forecast that pays resumes speculation: one verdict. Where the
+    batch drains and the drain rule keeps it plain, the back-off stands and nothing is
+    traced, however many steps ask."""
+    for name in ("should_draft", "recheck", "back_off"):  # restored after the test
+        monkeypatch.setattr(SpecPolicy, name, getattr(SpecPolicy, name))
+    trace_verdicts()
+    policy = SpecPolicy(_cost(per_token=1e-4, base=0.01, draft=0.002), LEVELS)
+    _forecast_gain(policy, requests=4, gain=1.3)
+    policy.at(4).backoff = 9  # a back-off whose plain steps and probe are over
+    policy.drain.draining, policy.drain.last_batch = True, 4
+    monkeypatch.setattr(policy.drain, "speculation_pays", lambda *args: False)
+    assert not any(policy.should_draft(4, lambda: [5] * 4) for _ in range(5))
+    assert "verdict" not in capsys.readouterr().err
+    assert policy.should_draft(4)  # others wait: the batch no longer drains
+    verdicts = capsys.readouterr().err.splitlines()
+    assert len(verdicts) == 1 and " resume after back-off 9: 4 requests" in verdicts[0], verdicts
 
 
 def test_a_held_engine_never_drafts_where_it_would_probe(tiny_chat_model, monkeypatch):
