@@ -31,8 +31,6 @@ POLICIES = ("adaptive", "fixed")
 T = TypeVar("T")
 _DECAY = 0.9  # weight of the past in the acceptance sums, per step
 _PRIOR_STEPS = 2.0  # a new request's calibration counts the batch's ratio this many times
-_MIN_BACKOFF = 9  # plain steps after the first verdict against speculation: the first one
-# untimed (_COLD_PLAIN_STEPS), then _TRUSTED_PLAIN that re-time plain decoding
 _MAX_BACKOFF = 1024  # at most this many plain steps between two probes of speculation, unless
 _PROBE_SHARE = 1 / 32  # a probe's extra time would be more than this share of its back-off
 # Weight of the newest speculative step in RecentSpeculation: a step's accepted drafts vary
@@ -104,6 +102,9 @@ _WARM_STEPS = 1
 # 10-20% to `none`. Every re-timing of plain decoding after speculative steps (a plain probe,
 # a recheck, a back-off) runs this many plain steps more.
 _COLD_PLAIN_STEPS = 1
+# Plain steps after the first verdict against speculation: the first untimed, then
+# _TRUSTED_PLAIN that re-time plain decoding.
+_MIN_BACKOFF = _COLD_PLAIN_STEPS + _TRUSTED_PLAIN
 # A probe's speculative steps: three of them are timed, and the verdict after a back-off's
 # probe may rest on these times alone (`BatchSizeState.end_probe`); their median holds through
 # one hiccup, where that of two (a mean) did not.
