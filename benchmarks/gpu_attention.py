@@ -24,9 +24,9 @@ import torch
 
 from flashtree.attention.sdpa import SdpaBackend
 from flashtree.attention.triton import TritonBackend
-from flashtree.engine.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.kv.cache import KVCache, PageTables
-from flashtree.spec.tree import ancestor_mask
+from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
+from flashtree.speculative.tree import ancestor_mask
 
 
 def build(mode: str, batch: int, context: int, tokens: int, args, rng: random.Random):

@@ -43,10 +43,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.tp_bench import QWEN3_8B, TINY, make_drafter, make_target, step_times  # noqa: E402
 from flashtree import LLM, SamplingParams  # noqa: E402
-from flashtree.engine.forward_batch import BatchItem, Mode  # noqa: E402
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR  # noqa: E402
-from flashtree.spec.dflash import ContextRows  # noqa: E402
-from flashtree.spec.tree import ancestor_mask  # noqa: E402
+from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
+from flashtree.speculative.proposer import ContextRows  # noqa: E402
+from flashtree.speculative.tree import ancestor_mask  # noqa: E402
 
 SECTIONS = ("bandwidth", "ar_step", "generate", "verify", "draft", "default_pair")
 # Scratch request ids count down from here (real ids count up from 0; cost.py's from -1e6).
@@ -322,7 +322,7 @@ class Bench:
         self.errors: dict[str, str] = {}
         self.done: list[str] = []  # sections finished (well or not)
         self.start = time.time()
-        self._llm: tuple[str, LLM] | None = None
+        self._llm: tuple[tuple[str, int | None], LLM] | None = None
         self._ckpt: tuple[Path, Path] | None = None
 
     # --- shared state -------------------------------------------------------------------
@@ -340,25 +340,26 @@ class Bench:
             self._ckpt = target, drafter
         return self._ckpt
 
-    def llm(self, spec: str) -> LLM:
-        """The 8B-shaped target as an LLM with `spec` (none or ddtree); one held at a time."""
-        if self._llm is not None and self._llm[0] == spec:
+    def llm(self, spec: str, tree_budget: int | None = None) -> LLM:
+        """The 8B-shaped target as an LLM with `spec` (none or ddtree); one held at a time.
+        The engine captures one verify shape, its tree budget's (default: the largest tree
+        size), so each verified tree size gets its own engine."""
+        p = self.p
+        tree_budget = tree_budget or max(p.tree_sizes) - 1
+        key = (spec, tree_budget if spec == "ddtree" else None)
+        if self._llm is not None and self._llm[0] == key:
             return self._llm[1]
         self.release()
         target, drafter = self.checkpoints()
-        p = self.p
         max_len = max(max(p.verify_ctxs) + max(p.tree_sizes), p.gen_prompt + p.gen_tokens,
                       p.ctx + 20 * p.reps + 50) + 64
-        # The DDTree engine's tree budget covers the largest verified tree, so that every tree
-        # size replays a captured graph (budgets 1, 2, 4, ... are captured), as in a real
-        # engine configured for such trees.
         kw = {} if spec == "none" else dict(draft=str(drafter), spec=spec,
-                                            tree_budget=max(p.tree_sizes) - 1)
+                                            tree_budget=tree_budget)
         llm = LLM(model=str(target), device=self.args.device, dtype=self.args.dtype,
                   skip_tokenizer_init=True, max_model_len=max_len,
                   max_num_seqs=max(p.batches) if spec == "none" else 4,
                   enforce_eager=self.args.enforce_eager, **kw)
-        self._llm = spec, llm
+        self._llm = key, llm
         return llm
 
     def release(self) -> None:
@@ -453,7 +454,7 @@ class Bench:
 
     def verify(self) -> list[str]:
         ar = self.ar_reference()
-        llm, p = self.llm("ddtree"), self.p
+        p = self.p
         r: dict = {"ms": {}, "over_ar_step": {}}
         head = " | ".join(f"ctx {c} ms | / AR step" for c in p.verify_ctxs)
         lines = ["`runner.forward(VERIFY)` of one random tree (depth <= 15, ancestor-or-self "
@@ -461,7 +462,7 @@ class Bench:
                  "the AR step at batch 1 with the same context.", "",
                  f"| nodes | {head} |", "|---:|" + "---:|---:|" * len(p.verify_ctxs)]
         for n in p.tree_sizes:
-            cells = []
+            llm, cells = self.llm("ddtree", n - 1), []
             for c in p.verify_ctxs:
                 ms = verify_ms(llm, n, c, p.reps, self.vocab)
                 base = ar[c]
@@ -473,6 +474,7 @@ class Bench:
         r["ar_step_ms"] = ar
         n64 = 64 if 64 in p.tree_sizes else p.tree_sizes[-1]
         r["verify64_over_ar_step"] = r["over_ar_step"][p.ctx][n64]
+        llm = self.llm("ddtree", n64 - 1)
         with Scratch(llm) as s:
             lines += self.profile_lines(f"verify, {n64} nodes, ctx {p.ctx}",
                                         verify_forward(llm, s, n64, p.ctx, self.vocab),

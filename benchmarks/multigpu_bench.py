@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.tp_bench import COMMON, fill_and_save, free, make_drafter, step_times  # noqa: E402
 from flashtree import LLM  # noqa: E402
-from flashtree.engine.forward_batch import Mode  # noqa: E402
+from flashtree.runner.forward_batch import Mode  # noqa: E402
 
 # family, target config, default depth, DFlash drafter (dense Qwen3) config
 SHAPES = {
@@ -162,13 +162,13 @@ def timing_verify(llm: LLM) -> list[float]:
     runner, times = llm.engine.runner, []
     forward = runner.forward
 
-    def timed(mode, items, gather_logits=True):
+    def timed(mode, items, *args, **kwargs):
         if mode is not Mode.VERIFY:
-            return forward(mode, items, gather_logits)
+            return forward(mode, items, *args, **kwargs)
         sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
         sync()
         t = time.perf_counter()
-        out = forward(mode, items, gather_logits)
+        out = forward(mode, items, *args, **kwargs)
         sync()
         times.append((time.perf_counter() - t) * 1e3)
         return out

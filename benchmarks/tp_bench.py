@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashtree import LLM, SamplingParams  # noqa: E402
-from flashtree.engine.forward_batch import BatchItem, Mode  # noqa: E402
+from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,

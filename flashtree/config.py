@@ -376,11 +376,55 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+SPEC_METHODS = ("none", "dflash", "ddtree")  # none: plain autoregressive decoding
+SPEC_POLICIES = ("adaptive", "fixed")
+TREE_SAMPLING_MODES = ("match", "rrs")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding with a DFlash drafter: a chain (`dflash`) or a DDTree per step."""
+
+    method: str  # "dflash" (chain) | "ddtree" (tree)
+    block_size: int
+    tree_budget: int  # DDTree non-root nodes
+    topk_cap: int | None = None  # DDTree: children considered per node
+    tree_sampling: str = "match"  # temperature > 0: sample-and-match | "rrs"
+    policy: str = "adaptive"  # "adaptive": speculate where it is faster | "fixed": always
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS[1:]:
+            raise ValueError(f"spec method {self.method!r}; allowed: {list(SPEC_METHODS[1:])}")
+        if self.tree_sampling not in TREE_SAMPLING_MODES:
+            raise ValueError(f"tree_sampling={self.tree_sampling!r}; allowed: "
+                             f"{list(TREE_SAMPLING_MODES)}")
+        if self.policy not in SPEC_POLICIES:
+            raise ValueError(f"spec_policy={self.policy!r}; allowed: {list(SPEC_POLICIES)}")
+        if self.block_size < 2 or self.tree_budget < 1:
+            raise ValueError(f"block_size must be >= 2 and tree_budget >= 1, got "
+                             f"{self.block_size} and {self.tree_budget}")
+
+    @property
+    def max_budget(self) -> int:
+        """Draft candidates verified per request: tree nodes or chain drafts."""
+        return self.tree_budget if self.method == "ddtree" else self.block_size - 1
+
+    @property
+    def lookahead(self) -> int:
+        """Tokens a step writes past the committed ones: the draft block, and the candidates
+        (a chain of block_size, or a tree of tree_budget + 1 nodes)."""
+        verified = self.tree_budget + 1 if self.method == "ddtree" else self.block_size
+        return max(self.block_size, verified) - 1
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: ModelConfig
-    cache: CacheConfig = field(default_factory=CacheConfig)
+    """Everything an LLMEngine needs besides its models and tokenizer."""
+
+    device: torch.device
+    dtype: torch.dtype
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "cpu"
-    dtype: str = "float32"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    spec: SpecConfig | None = None  # None: plain decoding
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs (debugging)

@@ -9,22 +9,27 @@ from collections.abc import Sequence as SequenceABC
 
 import torch
 
-from flashtree.config import CacheConfig, SchedulerConfig, parse_dtype
+from flashtree.config import (
+    SPEC_METHODS,
+    SPEC_POLICIES,
+    TREE_SAMPLING_MODES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpecConfig,
+    parse_dtype,
+)
 from flashtree.distributed import get_tp_size, set_ep_size
 from flashtree.distributed.tp import TPDriverEngine, TPGroup
-from flashtree.engine.llm_engine import EngineArgs, LLMEngine
-from flashtree.engine.sequence import Sequence
-from flashtree.engine.speculative import TREE_SAMPLING_MODES
+from flashtree.engine.llm_engine import LLMEngine
 from flashtree.models.dflash import load_dflash_drafter
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR, load_model, resolve_model_path
 from flashtree.outputs import CompletionOutput, RequestOutput
 from flashtree.sampling import SamplingParams
-from flashtree.spec.policy import POLICIES
+from flashtree.sequence import Sequence
 from flashtree.tokenizer import Tokenizer
 
 Prompt = str | list[int]
-
-SPEC_MODES = ("none", "dflash", "ddtree")
 
 
 class LLM:
@@ -56,8 +61,8 @@ class LLM:
             draft = str(DEFAULT_DRAFTER_DIR)
         if spec is None:
             spec = "none" if draft is None else "ddtree"
-        if spec not in SPEC_MODES:
-            raise ValueError(f"spec={spec!r} is not supported; allowed: {list(SPEC_MODES)}")
+        if spec not in SPEC_METHODS:
+            raise ValueError(f"spec={spec!r} is not supported; allowed: {list(SPEC_METHODS)}")
         if spec != "none" and draft is None:
             raise ValueError(f"spec={spec!r} needs a drafter: pass draft='/path/to/dflash_dir'")
         if block_size is not None and (spec == "none" or block_size < 2):
@@ -72,9 +77,9 @@ class LLM:
                 f"tree_sampling={tree_sampling!r} is not supported; allowed: "
                 f"{list(TREE_SAMPLING_MODES)}"
             )
-        if spec_policy not in POLICIES:
+        if spec_policy not in SPEC_POLICIES:
             raise ValueError(f"spec_policy={spec_policy!r} is not supported; allowed: "
-                             f"{list(POLICIES)}")
+                             f"{list(SPEC_POLICIES)}")
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if expert_parallel_size < 1 or tensor_parallel_size % expert_parallel_size:
@@ -91,15 +96,19 @@ class LLM:
         if tensor_parallel_size > 1 and not _tp_member:
             # Every rank builds its shard from the same arguments.
             worker_kwargs = {k: v for k, v in locals().items() if k in _INIT_ARGS}
-            self._tp = TPGroup.start(tensor_parallel_size, worker_kwargs, self.device.type)
+            self._tp = TPGroup.start(tensor_parallel_size, _tp_worker_engine, worker_kwargs,
+                                     self.device.type)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda:0")
         try:
             set_ep_size(expert_parallel_size)  # read by MoE layers as they are built
-            self._build(model, draft, spec, block_size, tree_budget, topk_cap, dtype,
-                        max_model_len, max_num_seqs, skip_tokenizer_init, seed, tree_sampling,
-                        spec_policy, page_size, kv_cache_pages, max_num_batched_tokens,
-                        enforce_eager)
+            self._build(
+                model=model, draft=draft, spec=spec, block_size=block_size,
+                tree_budget=tree_budget, topk_cap=topk_cap, dtype=dtype,
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                skip_tokenizer_init=skip_tokenizer_init, seed=seed, tree_sampling=tree_sampling,
+                spec_policy=spec_policy, page_size=page_size, kv_cache_pages=kv_cache_pages,
+                max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager)
         except BaseException:
             self.shutdown()
             raise
@@ -112,16 +121,20 @@ class LLM:
         if self._tp is not None:
             self._tp.shutdown()
 
-    def _build(self, model, draft, spec, block_size, tree_budget, topk_cap, dtype, max_model_len,
+    def _build(self, *, model, draft, spec, block_size, tree_budget, topk_cap, dtype, max_model_len,
                max_num_seqs, skip_tokenizer_init, seed, tree_sampling, spec_policy, page_size,
                kv_cache_pages, max_num_batched_tokens, enforce_eager) -> None:
         self.dtype = parse_dtype(dtype, self.device)
         path = resolve_model_path(model)
         self.model, self.model_config = load_model(path, self.dtype, self.device)
         self.drafter = None
+        spec_cfg = None
         if spec != "none":
             assert draft is not None
             self.drafter = load_dflash_drafter(draft, self.dtype, self.device)
+            block_size = block_size or self.drafter.cfg.block_size
+            spec_cfg = SpecConfig(spec, block_size, tree_budget or block_size - 1, topk_cap,
+                                  tree_sampling, spec_policy)
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.load(path)
         limit = self.model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -135,8 +148,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
         )
         cache = CacheConfig(page_size=page_size, num_pages=kv_cache_pages)
-        args = EngineArgs(self.device, self.dtype, sched, cache, seed, block_size, spec,
-                          tree_budget, topk_cap, tree_sampling, spec_policy, enforce_eager)
+        args = EngineConfig(self.device, self.dtype, sched, cache, spec_cfg, seed, enforce_eager)
         self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args, self.drafter)
 
     # ----------------------------------------------------------------- generation
@@ -232,6 +244,11 @@ class LLM:
 
 
 _INIT_ARGS = frozenset(inspect.signature(LLM.__init__).parameters) - {"self", "_tp_member"}
+
+
+def _tp_worker_engine(llm_kwargs: dict) -> LLMEngine:
+    """A tensor-parallel worker rank's shard of the LLM that `llm_kwargs` describe."""
+    return LLM(**llm_kwargs, _tp_member=True).engine
 
 
 def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from flashtree.engine.forward_batch import BatchItem, Mode
-from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.scheduler import step_kind
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.llama import DecoderModel
+from flashtree.runner.forward_batch import BatchItem, Mode
+from flashtree.runner.model_runner import ModelRunner
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

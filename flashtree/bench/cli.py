@@ -238,14 +238,14 @@ class Method:
 
 def parse_method(item: str) -> Method:
     """METHOD[:POLICY[:BUDGET]] -> Method; a bad item raises ValueError saying what is allowed."""
-    from flashtree.spec.policy import POLICIES
+    from flashtree.config import SPEC_POLICIES
 
     parts = item.split(":")
     allowed = ("the allowed form is METHOD[:POLICY[:BUDGET]] with METHOD none, dflash or ddtree, "
-               f"POLICY one of {list(POLICIES)}, BUDGET a positive integer")
+               f"POLICY one of {list(SPEC_POLICIES)}, BUDGET a positive integer")
     spec, policy = parts[0], parts[1] if len(parts) > 1 else None
     budget = parts[2] if len(parts) > 2 else None
-    bad_policy = policy is not None and policy not in POLICIES
+    bad_policy = policy is not None and policy not in SPEC_POLICIES
     bad_budget = budget is not None and not (budget.isdigit() and int(budget) > 0)
     if (len(parts) > 3 or spec not in ("none", "dflash", "ddtree") or bad_policy or bad_budget
             or (spec == "none" and len(parts) > 1)):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -44,22 +46,24 @@ class TPGroup:
     closed: bool = False
 
     @staticmethod
-    def start(size: int, llm_kwargs: dict, device_type: str) -> TPGroup:
-        """Join (torchrun) or start the group; on torchrun ranks > 0 this serves rank 0 and
-        exits the process when rank 0 shuts down."""
+    def start(size: int, build_engine: Callable[[dict], Any], engine_kwargs: dict,
+              device_type: str) -> TPGroup:
+        """Join (torchrun) or start the group; every other rank builds its engine with
+        `build_engine(engine_kwargs)` (a module-level function: it is pickled to spawned
+        ranks). On torchrun ranks > 0 this serves rank 0 and exits when rank 0 shuts down."""
         backend = "nccl" if device_type == "cuda" else "gloo"
         if under_torchrun(size):
             rank = int(os.environ["RANK"])
             if rank > 0:
                 local = int(os.environ.get("LOCAL_RANK", rank))
-                _worker_main(rank, local, size, backend, "env://", llm_kwargs)
+                _worker_main(rank, local, size, backend, "env://", build_engine, engine_kwargs)
                 sys.exit(0)
             init_tp(0, size, backend, "env://")
             return TPGroup(size)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_worker_main, args=(rank, rank, size, backend, init_method,
-                                                        llm_kwargs), daemon=True,
+                                                        build_engine, engine_kwargs), daemon=True,
                              name=f"flashtree-tp{rank}") for rank in range(1, size)]
         for p in procs:
             p.start()
@@ -165,19 +169,16 @@ def serve_steps(engine) -> None:
 
 
 def _worker_main(rank: int, local: int, size: int, backend: str, init_method: str,
-                 llm_kwargs: dict) -> None:
+                 build_engine: Callable[[dict], Any], engine_kwargs: dict) -> None:
     """A worker rank; `local` is its index on its own node (its GPU under NCCL)."""
     import torch
 
-    from flashtree.llm import LLM
-
-    kwargs = dict(llm_kwargs)
+    kwargs = dict(engine_kwargs)
     if backend == "nccl":
         torch.cuda.set_device(local)
         kwargs["device"] = f"cuda:{local}"
     init_tp(rank, size, backend, init_method)
     try:
-        llm = LLM(**kwargs, _tp_member=True)
-        serve_steps(llm.engine)
+        serve_steps(build_engine(kwargs))
     finally:
         destroy_tp()

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from flashtree.distributed.tp import TPGroupStopped
 from flashtree.engine.llm_engine import LLMEngine
-from flashtree.engine.sequence import Sequence
 from flashtree.sampling import SamplingParams
+from flashtree.sequence import Sequence
 
 
 @dataclass

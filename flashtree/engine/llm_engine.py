@@ -6,32 +6,27 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 
-from flashtree.config import CacheConfig, ModelConfig, SchedulerConfig, device_name
-from flashtree.distributed import get_tp_rank, get_tp_size, tp_broadcast_object, tp_min
+from flashtree.config import EngineConfig, ModelConfig, SpecConfig
+from flashtree.distributed import get_tp_size, tp_min
 from flashtree.distributed.vocab import vocab_argmax
-from flashtree.engine.forward_batch import BatchItem, Mode
-from flashtree.engine.model_runner import ModelRunner
 from flashtree.engine.scheduler import ScheduledChunk, Scheduler, step_kind
-from flashtree.engine.sequence import Sequence
-from flashtree.engine.speculative import SpecConfig, SpeculativeDecoder
 from flashtree.graphs.runner import batch_buckets
 from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
+from flashtree.runner.forward_batch import BatchItem, Mode
+from flashtree.runner.model_runner import ModelRunner
 from flashtree.sampling import SamplingParams, SamplingRow, sample_tokens
-from flashtree.spec.budgets import CostModel, budget_levels
-from flashtree.spec.cost import load_profile, measure_cost_model, save_profile
-from flashtree.spec.dflash import ContextRows, DFlashProposer
-from flashtree.spec.policy import SpecPolicy
+from flashtree.sequence import Sequence
+from flashtree.speculative.decoder import SpeculativeDecoder
+from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy, SpecPolicy, StepResult
+from flashtree.speculative.proposer import ContextRows, DFlashProposer
 from flashtree.tokenizer import Tokenizer
 
-# Largest target forward the cost profile measures (bigger batches extrapolate its last slope).
-_PROFILE_MAX_TOKENS = 4096
 # Largest captured forward in token rows (beyond max_num_seqs decode rows): bigger verify
 # batches run eagerly, where launch overhead is small next to the work.
 _GRAPH_MAX_ROWS = 8192
@@ -42,31 +37,16 @@ _PREFILL_TOKENS = (32, 64, 128, 256)
 _PREFILL_MAX_ROWS = 2048
 
 
-@dataclass(frozen=True)
-class EngineArgs:
-    device: torch.device
-    dtype: torch.dtype
-    scheduler: SchedulerConfig
-    cache: CacheConfig
-    seed: int = 0
-    block_size: int | None = None  # speculative block (default: the drafter's)
-    spec: str = "none"  # "none" | "dflash" (chain) | "ddtree" (tree)
-    tree_budget: int | None = None  # DDTree non-root nodes (default: block_size - 1)
-    topk_cap: int | None = None  # DDTree: children considered per node
-    tree_sampling: str = "match"  # temperature > 0: "match" | "rrs"
-    spec_policy: str = "adaptive"  # "adaptive" (budgets per step) | "fixed" (always the full one)
-    enforce_eager: bool = False  # no CUDA graphs (debugging)
-
-
 class LLMEngine:
     def __init__(
         self,
         model: DecoderModel,
         model_cfg: ModelConfig,
         tokenizer: Tokenizer | None,
-        args: EngineArgs,
+        args: EngineConfig,
         drafter: DFlashDraftModel | None = None,
     ) -> None:
+        assert (drafter is None) == (args.spec is None), "a drafter goes with a SpecConfig"
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.args = args
@@ -89,31 +69,24 @@ class LLMEngine:
         self.pages = PageTables(num_pages, args.cache.page_size)
         self.proposer: DFlashProposer | None = None
         self.speculative: SpeculativeDecoder | None = None
-        self.lookahead = 0
-        capture: tuple[int, ...] = ()
+        self.policy: SpecPolicy | None = None
+        spec = args.spec
+        self.lookahead = 0 if spec is None else spec.lookahead
         if drafter is not None:
             drafter.cfg.check_target(model_cfg)
             self.proposer = DFlashProposer(drafter, model, self.pages, args.dtype, args.device)
-            block_size = args.block_size or drafter.cfg.block_size
-            spec_cfg = SpecConfig(args.spec, block_size, args.tree_budget or block_size - 1,
-                                  args.topk_cap, args.tree_sampling)
-            self.lookahead = spec_cfg.lookahead
-            capture = drafter.cfg.target_layer_ids
         self.scheduler = Scheduler(args.scheduler, self.pages)
-        self.runner = ModelRunner(model, self.cache, self.pages, capture)
+        self.runner = ModelRunner(model, self.cache, self.pages,
+                                  drafter.cfg.target_layer_ids if drafter is not None else ())
         if self.uses_cuda_graphs:
-            self._capture_graphs(spec_cfg if drafter is not None else None)
+            self._capture_graphs(spec)
             self.scheduler.mixes = self._mixes_in_graphs
-        if self.proposer is not None:
-            policy = None
-            if args.spec_policy == "adaptive":
-                # Wall times differ between TP ranks, whose choices must agree: TP goes by
-                # the profile.
-                policy = SpecPolicy(self._cost_model(spec_cfg, drafter),
-                                    budget_levels(spec_cfg.max_budget), timed=get_tp_size() == 1,
-                                    one_budget=self.uses_cuda_graphs)
-            self.speculative = SpeculativeDecoder(spec_cfg, self.proposer, self.runner,
-                                                  self.cache, self.pages, policy)
+        if spec is not None:
+            assert self.proposer is not None
+            self.speculative = SpeculativeDecoder(spec, self.proposer, self.runner, self.cache,
+                                                  self.pages)
+            self.policy = (AdaptivePolicy(spec.max_budget) if spec.policy == "adaptive"
+                           else FixedPolicy(spec.max_budget))
         self._ids = itertools.count()
         eos = set(model_cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -128,10 +101,10 @@ class LLMEngine:
         return (self.args.device.type == "cuda" and not self.args.enforce_eager
                 and get_tp_size() == 1 and self.cache.v is not None)
 
-    def _capture_graphs(self, spec_cfg: SpecConfig | None) -> None:
+    def _capture_graphs(self, spec: SpecConfig | None) -> None:
         """Capture decode (1 token per request), short prompt chunks and, with a drafter, the
-        draft block and the verify shapes of every budget the policy can choose (chains or
-        trees of budget + 1 tokens), for batch buckets up to max_num_seqs."""
+        draft block and the verify shape (a chain or a tree of budget + 1 tokens), for batch
+        buckets up to max_num_seqs."""
         page = self.args.cache.page_size
         longest = self.args.scheduler.max_model_len + self.lookahead
         dims = GraphDims(max_pages=-(-longest // page) + 1, scratch_slot=self.pages.scratch_slot)
@@ -139,36 +112,14 @@ class LLMEngine:
         max_rows = max(_GRAPH_MAX_ROWS, self.args.scheduler.max_num_seqs)
         shapes = [(GraphMode.DECODE, 1, max_rows)]
         shapes += [(GraphMode.PREFILL, t, _PREFILL_MAX_ROWS) for t in _PREFILL_TOKENS]
-        if spec_cfg is not None:
-            mode = GraphMode.VERIFY_TREE if spec_cfg.method == "ddtree" else GraphMode.VERIFY_CHAIN
-            budgets = (budget_levels(spec_cfg.max_budget) if self.args.spec_policy == "adaptive"
-                       else (spec_cfg.max_budget,))
-            shapes += [(mode, b + 1, max_rows) for b in budgets]
+        if spec is not None:
+            mode = GraphMode.VERIFY_TREE if spec.method == "ddtree" else GraphMode.VERIFY_CHAIN
+            shapes.append((mode, spec.max_budget + 1, max_rows))
             assert self.proposer is not None
-            self.proposer.capture_graphs(dims, buckets, spec_cfg.block_size, max_rows)
+            self.proposer.capture_graphs(dims, buckets, spec.block_size, max_rows)
         self.runner.capture_graphs(
             dims, buckets, shapes,
             context_writer=None if self.proposer is None else self.proposer.write_context)
-
-    def _cost_model(self, spec_cfg: SpecConfig, drafter: DFlashDraftModel) -> CostModel:
-        """The adaptive policy's step costs: cached for this shape of models and machine, else
-        measured now. TP ranks measure together (the forwards are collective) and all take
-        rank 0's numbers, so that every rank picks the same budgets."""
-        assert self.proposer is not None
-        max_requests = self.args.scheduler.max_num_seqs
-        max_tokens = min(max_requests * (spec_cfg.max_budget + 1), _PROFILE_MAX_TOKENS)
-        key = {"target": repr(self.model_cfg), "drafter": repr(drafter.cfg),
-               "dtype": str(self.args.dtype), "device": device_name(self.args.device),
-               "tp": get_tp_size(), "block": spec_cfg.block_size, "tokens": max_tokens,
-               "requests": max_requests, "torch": torch.__version__}
-        cost = tp_broadcast_object(load_profile(key) if get_tp_rank() == 0 else None)
-        if cost is None:
-            cost = tp_broadcast_object(measure_cost_model(
-                self.runner, self.proposer, self.pages, max_tokens, max_requests,
-                spec_cfg.block_size, tree=spec_cfg.method == "ddtree"))
-            if get_tp_rank() == 0:
-                save_profile(key, cost)
-        return cost
 
     def _mixes_in_graphs(self, prompt_chunks: int, decode_tokens: int, longest_chunk: int
                          ) -> bool:
@@ -223,33 +174,28 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Sequence]:
         """Run one forward; return the sequences that got new tokens."""
-        # A decode step's time, for the adaptive policy: all of it, scheduling and the
-        # choice of budgets included (host work a speculative step adds counts against it).
-        start = time.perf_counter()
+        start = time.perf_counter()  # the policy times whole steps, scheduling included
         chunks = self.scheduler.schedule()
         if not chunks:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
         kind = step_kind(chunks)
+        outputs_before = sum(len(c.seq.output_ids) for c in chunks)
         if self.speculative is None or kind != "decode":
             if self.speculative is not None and kind == "mixed":  # plain for the decoding
                 self.speculative.stats.record_budget(0, sum(c.decode for c in chunks))
             return self._plain_step(chunks)
-        policy = self.speculative.policy
-        speculate = self.speculative.wants_draft([c.seq for c in chunks],
-                                                 others_wait=bool(self.scheduler.waiting))
-        if speculate and not self._reserve_lookahead(chunks):
-            speculate = False
-            if policy is not None:
-                policy.draft_refused(len(chunks))
+        assert self.policy is not None
+        speculate = self.policy.plan(len(chunks)) > 0 and self._reserve_lookahead(chunks)
         if speculate:
             self.speculative.stats.record_speculative_step(len(chunks))
             done = self._speculative_step(chunks)
         else:
-            self.speculative.stats.record_budget(0, len(chunks))  # plain: chosen or forced
+            self.speculative.stats.record_budget(0, len(chunks))
             done = self._plain_step(chunks)
-        if policy is not None and policy.timed:
-            policy.observe_step(speculate, len(chunks), time.perf_counter() - start)
+        committed = sum(len(c.seq.output_ids) for c in chunks) - outputs_before
+        self.policy.observe(StepResult(speculate, len(chunks), committed,
+                                       time.perf_counter() - start))
         return done
 
     def _reserve_lookahead(self, chunks: list[ScheduledChunk]) -> bool:

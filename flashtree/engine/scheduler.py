@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashtree.config import SchedulerConfig
-from flashtree.engine.sequence import SeqStatus, Sequence
 from flashtree.kv.cache import PageTables
+from flashtree.sequence import SeqStatus, Sequence
 
 
 @dataclass

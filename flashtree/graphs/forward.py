@@ -10,10 +10,10 @@ from collections.abc import Callable
 import torch
 
 from flashtree.attention.backend import AttentionBackend, AttentionMetadata
-from flashtree.engine.forward_batch import ForwardBatch, Mode
 from flashtree.graphs.schema import GraphKey, GraphMode, Inputs
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
+from flashtree.runner.forward_batch import ForwardBatch, Mode
 
 
 def graph_mode(batch: ForwardBatch) -> GraphMode:

@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.config import ModelConfig
-from flashtree.engine.forward_batch import BatchItem, Mode
-from flashtree.engine.model_runner import ModelRunner
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.llm import LLM
 from flashtree.models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from flashtree.models.llama import DecoderModel
+from flashtree.runner.forward_batch import BatchItem, Mode
+from flashtree.runner.model_runner import ModelRunner
 from flashtree.sampling import SamplingParams
 from flashtree.train import distributed
 from flashtree.train.prompts import first_line_prompt

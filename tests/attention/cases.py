@@ -12,9 +12,9 @@ import torch
 
 from flashtree.attention.backend import AttentionMetadata
 from flashtree.attention.sdpa import SdpaBackend
-from flashtree.engine.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.kv.cache import KVCache, PageTables
-from flashtree.spec.tree import ancestor_mask
+from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
+from flashtree.speculative.tree import ancestor_mask
 
 # kind -> (new tokens per request (lo, hi), causal, sliding window)
 KINDS = {

@@ -11,7 +11,7 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.graphs.schema import GraphMode
-from flashtree.spec.policy import SpecPolicy
+from flashtree.speculative.policy import FixedPolicy
 from tests.helpers import ran_mixed_steps, record_schedules
 from tests.tiny import TINY_PROMPTS
 
@@ -70,12 +70,11 @@ def test_admissions_mix_with_decode_tokens_where_a_prompt_graph_holds_them(small
     assert tokens == [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
 
 
-def test_graphs_write_the_drafters_context(small_pair, monkeypatch):
+def test_graphs_write_the_drafters_context(small_pair):
     """A drafter engine's decode and prompt graphs write their tokens' context K/V to the
     draft cache themselves (no features come back to be deferred): after the prompts and plain
     steps, the draft cache holds at every request's committed slots what the eager engine's
     deferred rows inject."""
-    monkeypatch.setattr(SpecPolicy, "should_draft", lambda self, requests, remaining=None: False)
     target, drafter = map(str, small_pair)
     kw = dict(model=target, draft=drafter, spec="ddtree", device="cuda", dtype="float32",
               skip_tokenizer_init=True, page_size=4, max_num_seqs=8)
@@ -83,6 +82,7 @@ def test_graphs_write_the_drafters_context(small_pair, monkeypatch):
     caches = []
     for llm in (LLM(**kw), LLM(**kw, enforce_eager=True)):
         engine = llm.engine
+        engine.policy = FixedPolicy(0)  # plain steps only
         seqs = [engine.add_request(p, params) for p in PROMPTS]
         for _ in range(12):  # the prompts, then plain decode steps
             engine.step()

@@ -10,13 +10,13 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.attention.triton import TritonBackend
-from flashtree.engine.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.engine.llm_engine import LLMEngine
 from flashtree.graphs.forward import DraftForward, TargetForward, graph_inputs, graph_mode
 from flashtree.graphs.runner import GraphRunner
 from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache
-from flashtree.spec.tree import ancestor_mask
+from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
+from flashtree.speculative.tree import ancestor_mask
 from tests.tiny import save_reference_drafter, save_tiny_qwen3
 
 PROMPTS = [[1, 2, 3, 4, 0, 1, 2, 5, 7], [3, 3, 1], [0, 4, 2, 2, 1, 3, 0, 1, 4, 2, 3, 1, 0, 9]]

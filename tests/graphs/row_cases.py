@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 
 from flashtree.graphs.rows import RowGraphs
-from flashtree.spec.tree import BestFirstLevels, best_first_levels, topk_logprobs, tree_from_levels
+from flashtree.speculative.tree import (
+    BestFirstLevels,
+    best_first_levels,
+    topk_logprobs,
+    tree_from_levels,
+)
 
 DEPTH, VOCAB, WIDTH = 5, 50, 7
 

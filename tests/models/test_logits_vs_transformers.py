@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from flashtree.config import ModelConfig
-from flashtree.engine.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.layers.rotary import rope_inv_freq
 from flashtree.models.llama import DecoderModel
 from flashtree.models.loader import load_hf_model
+from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
 from tests.helpers import (
     LLAMA3_ROPE,
     PagedHarness,

@@ -17,11 +17,11 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.config import ModelConfig
-from flashtree.engine.forward_batch import BatchItem, Mode
 from flashtree.layers.moe import SparseMoE
 from flashtree.layers.rotary import rope_attention_scaling, rope_inv_freq
 from flashtree.models.llama import DecoderModel
 from flashtree.models.loader import load_hf_model
+from flashtree.runner.forward_batch import BatchItem, Mode
 from tests.helpers import PagedHarness, reference_hidden_states, reference_logits
 from tests.tiny import save_reference_drafter, save_tiny_deepseek_v3, save_tiny_qwen3_moe
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.spec.budgets import CostModel
+from flashtree.speculative.policy import FixedPolicy
 from flashtree.train.drafter import (
     Example,
     TrainConfig,
@@ -76,6 +76,16 @@ def trained(tmp_path_factory):
     return root
 
 
+class EveryOtherStep(FixedPolicy):
+    """Speculates on every other decode step; the steps between run plain."""
+
+    steps: int = 0
+
+    def plan(self, requests: int) -> int:
+        self.steps += 1
+        return self.budget if self.steps % 2 else 0
+
+
 def _held_out_run(root, drafter: str, spec: str, policy: str = "fixed", prepare=None):
     llm = LLM(model=str(root / "target"), draft=str(root / drafter), spec_policy=policy,
               spec=spec, device="cpu", skip_tokenizer_init=True)
@@ -98,24 +108,13 @@ def test_plain_steps_between_speculative_ones_keep_the_drafter_in_step(trained):
     steps must still feed the drafter its context, so the speculative steps keep accepting
     nearly whole blocks."""
     def force_plain_steps(llm):
-        policy = llm.engine.speculative.policy
-        policy.cost = CostModel(((1, 1.0), (4096, 1.0)), ((1, 0.0), (64, 0.0)))  # flat: max
-        # No speculative step here follows another, so none would be timed and every one
-        # would be a probe, which commits one token (as plain decoding would).
-        policy.timed = False
-        choose = policy.choose
-
-        def choose_then_skip(ids, gains):
-            picks = choose(ids, gains)
-            policy.at(len(ids)).plain_steps_left = 1
-            return picks
-        policy.choose = choose_then_skip
+        llm.engine.policy = EveryOtherStep(llm.engine.policy.budget)
 
     def accepted_per_draft(llm) -> float:
         stats = llm.engine.speculative.stats
         return stats.num_accepted_tokens / stats.num_drafts
 
-    mixed, _ = _held_out_run(trained, "drafter", "dflash", "adaptive", force_plain_steps)
+    mixed, _ = _held_out_run(trained, "drafter", "dflash", "fixed", force_plain_steps)
     fixed, _ = _held_out_run(trained, "drafter", "dflash")
     stats = mixed.engine.speculative.stats
     assert stats.budgets[0] >= stats.num_drafts // 2  # plain request-steps really ran

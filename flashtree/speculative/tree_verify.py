@@ -1,0 +1,91 @@
+"""Verification of a greedy DDTree step whose trees stay on the device (`TreeBatch`): one
+target forward over every request's tree, the greedy walks, and the commit of the accepted
+nodes (their target KV moved into place, their features injected into the draft cache) all
+queued before the step's one device read, which then only tells the host what was committed.
+The walk and the commit's index arithmetic (~30 small kernels) replay from CUDA graphs per
+batch bucket and tree size where the target's forwards do."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.distributed.vocab import vocab_argmax
+from flashtree.graphs.rows import RowGraphs
+from flashtree.kv.cache import KVCache
+from flashtree.runner.forward_batch import BatchItem, Mode
+from flashtree.runner.model_runner import ModelRunner
+from flashtree.sequence import Sequence
+from flashtree.speculative.acceptance import Walk, greedy_walk
+from flashtree.speculative.candidates import TreeBatch
+from flashtree.speculative.proposer import ContextRows, DFlashProposer
+from flashtree.transfer import to_device
+
+
+def walk_and_keep(tokens: torch.Tensor, parent: torch.Tensor, target: torch.Tensor,
+                  slots: torch.Tensor, starts: torch.Tensor, *, scratch: int
+                  ) -> tuple[torch.Tensor, ...]:
+    """The greedy walks of R trees of N nodes and where their accepted nodes go.
+
+    tokens, parent, target (the target's argmax at each node), slots (each node's cache slot
+    in the verify forward): [R, N] int64; starts: [R] committed lengths. Returns the host's
+    result [R, 2 + 2N] (accepted nodes, bonus token, accepted nodes then padding N, their
+    tokens), and per node row [R, N]: the node kept at that row (clamped path), the source and
+    destination slots of the KV move and the row's position; rows past the accepted path move
+    scratch onto scratch."""
+    r, n = tokens.shape
+    w = greedy_walk(tokens, parent, torch.full((r,), n, device=tokens.device), target)
+    path = w.path.clamp(max=n - 1)
+    offsets = torch.arange(n, device=tokens.device)
+    kept = offsets < w.num_accepted[:, None]
+    src = torch.where(kept, slots.gather(1, path), scratch)
+    dst = torch.where(kept, slots, scratch)
+    result = torch.cat([w.num_accepted[:, None], w.bonus[:, None], w.path,
+                        tokens.gather(1, path)], 1)
+    return result, path, src, dst, starts[:, None] + offsets
+
+
+class TreeBatchVerifier:
+    def __init__(self, runner: ModelRunner, cache: KVCache, proposer: DFlashProposer,
+                 tree_size: int) -> None:
+        """`tree_size`: the nodes per tree (root included), captured for every batch bucket up
+        front (a capture on first use would stall that step)."""
+        self.runner, self.cache, self.proposer = runner, cache, proposer
+        self._vocab_start = runner.model.lm_head.vocab_start
+        self._scratch = runner.pages.scratch_slot
+        graphs = runner.graphs
+        use_graphs = graphs is not None and graphs.use_cuda_graphs
+        buckets = graphs.batch_buckets if graphs is not None else []
+        self.walks = RowGraphs(walk_and_keep, buckets, runner.device, use_graphs)
+        if use_graphs:
+            for rows in self.walks.buckets:
+                nodes = torch.zeros(rows, tree_size, dtype=torch.long, device=runner.device)
+                self.walks(nodes, nodes, nodes, nodes, nodes[:, 0], scratch=self._scratch)
+
+    def verify(self, seqs: list[Sequence], trees: TreeBatch) -> list[Walk]:
+        """Verify and commit on the device; return per request the accepted nodes (root
+        first) and the committed tokens (accepted drafts + the bonus). The target and draft
+        caches hold the accepted nodes at logical indices start.. (page lengths are the
+        caller's to set)."""
+        r, n = trees.tokens.shape
+        device = trees.tokens.device
+        starts = to_device([s.num_computed for s in seqs], device)
+        items = [BatchItem(s.seq_id, s.num_computed, [0] * n, all_logits=True, positions=[0] * n,
+                           visible=trees.visible[i]) for i, s in enumerate(seqs)]
+        logits, features = self.runner.forward(
+            Mode.VERIFY, items, gather_logits=False,
+            device_inputs=(trees.tokens.flatten(), (starts[:, None] + trees.depth).flatten()))
+        assert features is not None, "verify must capture the drafter's target layers"
+        slots = self.runner.last_batch.attn.slot_mapping.view(r, n)
+        target = vocab_argmax(logits, self._vocab_start).view(r, n)
+        result, path, src, dst, positions = self.walks(
+            trees.tokens, trees.parent, target, slots, starts, scratch=self._scratch)
+        self.cache.move(src.flatten(), dst.flatten())
+        width = features.shape[-1]
+        kept = features.view(r, n, width).gather(1, path[..., None].expand(r, n, width))
+        self.proposer.inject([ContextRows(kept.flatten(0, 1), positions=positions.flatten(),
+                                          slots=dst.flatten())])
+        walks = []
+        for count, bonus, *rest in result.tolist():  # the step's one device read
+            nodes, tokens = rest[:n][:count], rest[n:][:count]
+            walks.append((nodes, tokens[1:] + [bonus]))
+        return walks

@@ -1,0 +1,86 @@
+"""The speculation policies, driven with synthetic step outcomes (no model): the adaptive rule
+speculates where speculative steps commit more tokens per second than plain ones, backs off
+exponentially where they do not, and probes again after each back-off."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy, StepResult, batch_bucket
+
+BUDGET = 15
+
+
+def drive(policy, steps: int, requests: int, spec_seconds: float, accepted: float,
+          plain_seconds: float = 1.0) -> list[bool]:
+    """Run `steps` decode steps of `requests` requests; a speculative step takes
+    `spec_seconds` and commits `accepted` tokens per request, a plain one `plain_seconds` and
+    one token. Returns which steps speculated."""
+    chosen = []
+    for _ in range(steps):
+        speculate = policy.plan(requests) > 0
+        seconds, per_request = (spec_seconds, accepted) if speculate else (plain_seconds, 1)
+        policy.observe(StepResult(speculate, requests, round(per_request * requests), seconds))
+        chosen.append(speculate)
+    return chosen
+
+
+def plain_runs(chosen: list[bool]) -> list[int]:
+    """Lengths of the runs of plain steps that follow a speculative step."""
+    runs, current, seen_spec = [], 0, False
+    for speculate in chosen:
+        if speculate:
+            if seen_spec and current:
+                runs.append(current)
+            current, seen_spec = 0, True
+        else:
+            current += 1
+    return runs
+
+
+def test_fixed_policy_always_drafts_its_budget():
+    policy = FixedPolicy(BUDGET)
+    assert drive(policy, 50, 4, spec_seconds=9.0, accepted=1.0) == [True] * 50
+
+
+def test_speculation_that_pays_keeps_running_with_periodic_plain_retimes():
+    chosen = drive(AdaptivePolicy(BUDGET), 1000, 1, spec_seconds=1.5, accepted=3.0)
+    assert chosen[:5] == [False] * 5  # plain decoding is timed first
+    assert sum(chosen) > 0.95 * len(chosen)
+    # Plain decoding is re-timed (two steps) between long speculative stretches.
+    assert set(plain_runs(chosen)) == {2}
+
+
+def test_speculation_that_loses_backs_off_exponentially_with_probes():
+    chosen = drive(AdaptivePolicy(BUDGET), 6000, 1, spec_seconds=1.5, accepted=1.2)
+    runs = plain_runs(chosen)
+    assert runs[:7] == [16, 32, 64, 128, 256, 512, 1024]
+    assert set(runs[7:]) == {1024}  # capped, yet still probing
+    assert sum(chosen) < 0.02 * len(chosen)
+
+
+def test_a_probe_that_now_pays_resumes_speculation():
+    policy = AdaptivePolicy(BUDGET)
+    drive(policy, 200, 1, spec_seconds=1.5, accepted=1.2)  # backed off
+    chosen = drive(policy, 1000, 1, spec_seconds=1.5, accepted=3.0)
+    assert sum(chosen[-300:]) > 0.95 * 300
+    assert policy.at(1).backoff == 0  # reset once speculation held a whole stretch
+
+
+def test_batch_buckets_are_judged_separately():
+    policy = AdaptivePolicy(BUDGET)
+    small, large = [], []
+    for _ in range(300):  # interleaved, as a server's batch sizes come and go
+        small += drive(policy, 1, 2, spec_seconds=1.5, accepted=3.0)
+        large += drive(policy, 1, 60, spec_seconds=1.5, accepted=1.2)
+    assert sum(small[-100:]) > 90
+    assert sum(large[-100:]) < 10
+    assert batch_bucket(60) == 64 and batch_bucket(2) == 2 and batch_bucket(1) == 1
+
+
+@pytest.mark.parametrize("accepted", [1.4, 1.6])
+def test_the_verdict_compares_tokens_per_second(accepted):
+    """A speculative step 1.5x as long as a plain one pays exactly when it commits more than
+    1.5 tokens per request."""
+    chosen = drive(AdaptivePolicy(BUDGET), 400, 1, spec_seconds=1.5, accepted=accepted)
+    assert (sum(chosen[-200:]) > 150) == (accepted > 1.5)
