@@ -6,8 +6,8 @@
 #
 # Each run writes OUT_DIR/runK/{low,high}_concurrency/ (`flashtree bench` reports and plots);
 # OUT_DIR/summary.{md,png} then sums up every run there (benchmarks/sweep_summary.py).
-# Sizes can be changed through the environment: LOW_CONC, LOW_PROMPTS, LOW_TOKENS, HIGH_CONC,
-# HIGH_PROMPTS, HIGH_TOKENS (a prompt count per concurrency, or one for all: by default 24, 48
+# Sizes can be changed through the environment: LOW_SPECS, LOW_CONC, LOW_PROMPTS, LOW_TOKENS,
+# HIGH_SPECS, HIGH_CONC, HIGH_PROMPTS, HIGH_TOKENS (specs comma-separated, as `--spec` takes them) (a prompt count per concurrency, or one for all: by default 24, 48
 # and 96 at 1, 4 and 16, so that a run at 16 lasts more than the H200 host's slow stretches,
 # where 24 prompts took 0.4 s); ROUNDS=R times each method R times per run, interleaved in one
 # process (`flashtree bench --rounds`); FIRST_RUN=K starts at run K (seed K, order rotated
@@ -19,8 +19,8 @@ if [[ $# -lt 3 || ! ${4:-3} =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 model=$1 draft=$2 out=$3 runs=${4:-3}
-low_specs=(none ddtree ddtree:fixed:7 ddtree:fixed)
-high_specs=(none ddtree ddtree:fixed)
+IFS=, read -ra low_specs <<<"${LOW_SPECS:-none,ddtree,ddtree:fixed:7,ddtree:fixed}"
+IFS=, read -ra high_specs <<<"${HIGH_SPECS:-none,ddtree,ddtree:fixed}"
 
 rotated() {  # rotated K SPEC... -> the specs joined by commas, starting at index K mod count
     local k=$1; shift

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import platform
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,13 +15,6 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def device_name(device: torch.device) -> str:
-    """What the device is, for keys of machine-specific caches (e.g. cost profiles)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.machine()} {platform.processor()} x{torch.get_num_threads()} threads"
 
 
 def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -83,10 +83,6 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
 
-    @property
-    def num_active(self) -> int:
-        return len(self._active)
-
     # ------------------------------------------------------------------ engine thread
     def _push(self, req: _Request, item) -> None:
         req.loop.call_soon_threadsafe(req.deltas.put_nowait, item)

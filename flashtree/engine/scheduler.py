@@ -140,7 +140,7 @@ class Scheduler:
 def step_kind(chunks: list[ScheduledChunk]) -> str:
     """"decode" (one token of every chunk's request), "prompt" (prompt chunks alone) or
     "mixed" (both), of a step `Scheduler.schedule` made: its decode tokens come first, so the
-    first and last chunks tell (the engine asks twice a step; a scan of 256 chunks took 4 us)."""
+    first and last chunks tell without a scan."""
     if chunks[-1].decode:
         return "decode"
     return "mixed" if chunks[0].decode else "prompt"

@@ -46,6 +46,7 @@ class MoEDecoderLayer(DecoderLayer):
 class Qwen3MoeModel(DecoderModel):
     layer_cls = MoEDecoderLayer
     stacked = MOE_STACKED
+    graph_capturable = False  # SparseMoE sizes each expert's batch on the host
 
     def _skip_tensor(self, name: str) -> bool:
         return skip_moe_tensor(self, name)

@@ -40,16 +40,6 @@ def topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     return value.double() - torch.logsumexp(draft_logits.double(), dim=-1, keepdim=True), index
 
 
-def build_trees(
-    draft_logits: torch.Tensor, roots: torch.Tensor, budget: int, topk_cap: int | None = None
-) -> DraftTrees:
-    """draft_logits: [R, L, V] raw drafter logits of block slots 1..L; roots: [R] bonus tokens.
-    Selects up to `budget` non-root nodes per request."""
-    vocab = draft_logits.shape[-1]
-    k = min(budget, vocab, topk_cap or vocab)
-    return build_trees_from_topk(*topk_logprobs(draft_logits, k), roots, budget)
-
-
 def build_trees_from_topk(
     top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor, budget: int
 ) -> DraftTrees:
@@ -131,12 +121,6 @@ def tree_from_levels(levels: BestFirstLevels, top_tok: torch.Tensor, roots: torc
         num_nodes=torch.full((r,), n_sel + 1, dtype=torch.long, device=device),
         visible=ancestor_mask(parent),
     )
-
-
-def best_path_logprobs(levels: BestFirstLevels, budget: int) -> torch.Tensor:
-    """[R, budget] the path log-probabilities of the nodes a tree of `budget` selects, best
-    first (-inf where it has fewer): the first b of them are the tree of budget b."""
-    return levels.keys.flatten(1).topk(budget, dim=-1).values
 
 
 def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:

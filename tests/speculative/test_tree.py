@@ -13,13 +13,24 @@ import torch
 from flashtree import LLM, SamplingParams
 from flashtree.runner.forward_batch import BatchItem, Mode
 from flashtree.speculative.tree import (
+    DraftTrees,
     ancestor_mask,
     best_first_levels,
-    build_trees,
+    build_trees_from_topk,
     topk_logprobs,
     tree_from_levels,
 )
 from tests.tiny import TINY_PROMPTS, save_tiny_qwen3
+
+
+def build_trees(
+    draft_logits: torch.Tensor, roots: torch.Tensor, budget: int, topk_cap: int | None = None
+) -> DraftTrees:
+    """The engine's tree build from raw drafter logits: draft_logits [R, L, V] of block slots
+    1..L, roots [R] bonus tokens; up to `budget` non-root nodes per request."""
+    vocab = draft_logits.shape[-1]
+    k = min(budget, vocab, topk_cap or vocab)
+    return build_trees_from_topk(*topk_logprobs(draft_logits, k), roots, budget)
 
 
 def _brute_force_top(logp: torch.Tensor, budget: int, cap: int | None) -> set[tuple[int, ...]]:

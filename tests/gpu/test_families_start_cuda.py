@@ -1,0 +1,55 @@
+"""Every supported family starts on CUDA with the default settings, as a user starts it: a model
+whose forward can be captured replays CUDA graphs, one that cannot (MoE, whose experts' batch
+sizes are read on the host) runs eagerly instead of failing graph capture. Greedy tokens, plain
+and DDTree over a random drafter, equal transformers' on the same device. Skips without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtree import LLM, SamplingParams
+from tests.helpers import save_checkpoint
+from tests.tiny import (
+    save_reference_drafter,
+    save_tiny_deepseek_v3,
+    save_tiny_qwen3_moe,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# family -> (checkpoint writer, forward capturable)
+FAMILIES = {
+    "llama": (lambda p: save_checkpoint(p, "llama", seed=1), True),
+    "qwen2": (lambda p: save_checkpoint(p, "qwen2", seed=2), True),
+    "qwen3": (lambda p: save_checkpoint(p, "qwen3", seed=3, head_dim=12), True),
+    "qwen3_moe": (lambda p: save_tiny_qwen3_moe(p, seed=4), False),
+    "deepseek_v3": (lambda p: save_tiny_deepseek_v3(p, seed=5), False),
+}
+PROMPTS = [[3, 17, 40, 8, 22, 5, 61, 9, 30], [12, 4, 7], [50, 2, 33, 19, 11]]
+NEW_TOKENS = 12
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_starts_on_cuda_and_decodes_like_transformers(family, tmp_path):
+    import transformers
+
+    write, capturable = FAMILIES[family]
+    target = write(tmp_path / "target")
+    drafter = save_reference_drafter(tmp_path / "drafter", target, block_size=4,
+                                     target_layer_ids=[0, 1])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    hf = hf.to("cuda").eval()
+    want = []
+    for p in PROMPTS:
+        out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW_TOKENS,
+                          do_sample=False, pad_token_id=0, eos_token_id=None)
+        want.append(out[0, len(p):].tolist())
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for spec in ("none", "ddtree"):
+        extra = {} if spec == "none" else {"draft": str(drafter), "spec": spec}
+        llm = LLM(model=str(target), device="cuda", dtype="float32", skip_tokenizer_init=True,
+                  page_size=4, max_num_seqs=4, **extra)
+        assert llm.engine.uses_cuda_graphs == capturable
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert got == want, f"{family} spec={spec}"
