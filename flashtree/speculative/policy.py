@@ -10,6 +10,7 @@ where speculation loses. Measurements behind the constants: docs/speculation.md.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,8 +21,11 @@ from flashtree.distributed import get_tp_size, tp_broadcast_object
 _TIMED_STEPS = 16  # recent step times per kind and bucket; their median is the step's time
 _MIN_TIMED = 4  # timed steps of each kind before a verdict
 _ACCEPT_WINDOW = 64  # speculative steps the acceptance average spans (acceptance is noisy)
-_FIRST_BACKOFF = 16  # plain steps after the first verdict against speculation; doubles ...
-_MAX_BACKOFF = 1024  # ... up to this while speculation keeps losing
+# Plain steps after a verdict against speculation: long enough that the probe after them costs
+# at most _PROBE_SHARE of their time, doubling while speculation keeps losing, at most
+# _MAX_BACKOFF.
+_PROBE_SHARE = 1 / 32
+_MAX_BACKOFF = 1024
 _RETIME_EVERY = 64  # speculative steps between two plain steps that re-time plain decoding
 
 
@@ -70,6 +74,10 @@ class _Bucket:
     plain_left: int = 1 + _MIN_TIMED  # plain steps to run before the next speculative one
     backoff: int = 0
     since_plain: int = 0  # speculative steps since the last plain one
+
+    def probe_steps(self) -> float:
+        """What a probe's speculative steps cost, in plain steps."""
+        return (1 + _MIN_TIMED) * statistics.median(self.spec_s) / statistics.median(self.plain_s)
 
     def speculation_loses(self) -> bool | None:
         """Whether speculative steps commit fewer tokens per second than plain ones (None
@@ -120,7 +128,8 @@ class AdaptivePolicy:
         bucket.since_plain += 1
         loses = bucket.speculation_loses()
         if loses:
-            bucket.backoff = min(max(_FIRST_BACKOFF, 2 * bucket.backoff), _MAX_BACKOFF)
+            longer = max(2 * bucket.backoff, math.ceil(bucket.probe_steps() / _PROBE_SHARE))
+            bucket.backoff = min(longer, _MAX_BACKOFF)
             bucket.plain_left = bucket.backoff
             bucket.spec_s.clear()  # the probe after the back-off times speculation afresh
             bucket.since_plain = 0

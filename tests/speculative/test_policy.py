@@ -52,11 +52,24 @@ def test_speculation_that_pays_keeps_running_with_periodic_plain_retimes():
 
 
 def test_speculation_that_loses_backs_off_exponentially_with_probes():
-    chosen = drive(AdaptivePolicy(BUDGET), 6000, 1, spec_seconds=1.5, accepted=1.2)
+    """A speculative step costs 1.5 plain ones, so a probe (5 of them) costs 7.5: the first
+    back-off is 32 times that, then it doubles up to 1024."""
+    chosen = drive(AdaptivePolicy(BUDGET), 8000, 1, spec_seconds=1.5, accepted=1.2)
     runs = plain_runs(chosen)
-    assert runs[:7] == [16, 32, 64, 128, 256, 512, 1024]
-    assert set(runs[7:]) == {1024}  # capped, yet still probing
-    assert sum(chosen) < 0.02 * len(chosen)
+    assert runs[:4] == [240, 480, 960, 1024]
+    assert set(runs[4:]) == {1024}  # capped, yet still probing
+    assert sum(chosen) < 0.01 * len(chosen)
+
+
+def test_probes_where_speculation_costs_much_take_a_small_share_of_the_time():
+    """Speculative steps 8 times as long as plain ones (a small model on a CPU at a large
+    batch): after the first verdict the probes take at most 1/32 of the time."""
+    chosen = drive(AdaptivePolicy(BUDGET), 5000, 64, spec_seconds=8.0, accepted=1.5)
+    first_verdict = chosen.index(True) + 5
+    later = chosen[first_verdict:]
+    spec_time = 8.0 * sum(later)
+    assert spec_time / (spec_time + len(later) - sum(later)) < 1 / 32 + 0.01
+    assert plain_runs(chosen)[0] == 1024
 
 
 def test_a_probe_that_now_pays_resumes_speculation():
