@@ -46,6 +46,17 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def _oracle_rates(text: str) -> tuple[float, float]:
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        rates = []
+    if len(rates) not in (1, 2) or not all(0 <= r <= 1 for r in rates):
+        raise argparse.ArgumentTypeError(f"--oracle takes P or P,Q with each in [0, 1], not "
+                                         f"{text!r}")
+    return rates[0], rates[1] if len(rates) > 1 else 0.0
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark methods x concurrencies (in process), or "
                                          "`bench serving` against an HTTP server")
@@ -65,6 +76,10 @@ def add_bench_parser(sub) -> None:
                             "(machine drift cancels) and reported as mean and range")
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--oracle", type=_oracle_rates, default=None, metavar="P[,Q]",
+                       help="fix the drafter's quality (greedy only): the target's next token "
+                            "is the draft's top-1 with probability P per slot, its top-2 with "
+                            "Q of the rest (flashtree/bench/oracle.py)")
     _add_load_args(bench)
     modes = bench.add_subparsers(dest="bench_mode")
     serving = modes.add_parser("serving", help="measure an OpenAI-compatible server over HTTP")
@@ -124,6 +139,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    if getattr(args, "oracle", None) is not None and args.temperature != 0:
+        raise ValueError("--oracle needs --temperature 0: it knows the target's greedy tokens")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.bench_mode == "serving":
@@ -150,29 +167,36 @@ def _bench_offline(args: argparse.Namespace, out: Path) -> int:
             llm = _engine(args, method)
             freeze_startup_heap()  # as `flashtree serve` does
             device = llm.device
+            oracle = None
             for name in datasets:
                 prompts = _prompts(args, llm, name)
+                oracle = _install_oracle(args, llm, prompts, oracle)
                 for c, n in zip(args.concurrency, _prompt_counts(args)):
                     _warm_up(args, llm, prompts[:n], c)
-                    rows.append(_timed_run(args, llm, spec, name, prompts[:n], c, 1, bar))
+                    rows.append(_timed_run(args, llm, spec, name, prompts[:n], c, 1, bar,
+                                           oracle))
             del llm
             gc.unfreeze()  # the engine's own reference cycles can go now
     else:  # every engine loaded, the methods interleaved round by round
         engines = [_engine(args, method) for method in methods]
+        oracles = [None] * len(engines)
         freeze_startup_heap()
         device = engines[0].device
         for name in datasets:
             prompts = _prompts(args, engines[0], name)
+            oracles = [_install_oracle(args, llm, prompts, oracle)
+                       for llm, oracle in zip(engines, oracles)]
             for c, n in zip(args.concurrency, _prompt_counts(args)):
                 for llm in engines:
                     _warm_up(args, llm, prompts[:n], c)
                 for k in range(args.rounds):
                     for i in (j % len(specs) for j in range(k, k + len(specs))):
                         rows.append(_timed_run(args, engines[i], specs[i], name, prompts[:n],
-                                               c, k + 1, bar))
+                                               c, k + 1, bar, oracles[i]))
     bar.close()
     what = f"device {device}, {torch.get_num_threads()} threads; model {args.model}" + (
-        f", draft {args.draft}" if args.draft else "")
+        f", draft {args.draft}" if args.draft else "") + (
+        f"; acceptance oracle p={args.oracle[0]}, q={args.oracle[1]}" if args.oracle else "")
     return _write_outputs(out, rows, _header(args, what))
 
 
@@ -182,6 +206,25 @@ def _engine(args: argparse.Namespace, method: Method):
     return LLM(model=args.model, draft=None if method.spec == "none" else args.draft,
                block_size=args.block_size, device=args.device, dtype=args.dtype,
                max_num_seqs=max(args.concurrency), seed=args.seed, **method.llm_kwargs(args))
+
+
+def _install_oracle(args: argparse.Namespace, llm, prompts: list, oracle):
+    """With --oracle, a speculative engine's drafts hit the target's plain greedy tokens at
+    the asked rates (references decoded now, by the same engine with speculation off): the
+    engine's oracle, made or given `prompts`' references; None without --oracle."""
+    if args.oracle is None or llm.engine.proposer is None:
+        return None
+    from flashtree.bench.offline import encode
+    from flashtree.bench.oracle import AcceptanceOracle, plain_references
+    from flashtree.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                             ignore_eos=p.ignore_eos) for p in prompts]
+    references = plain_references(llm, [encode(llm, p) for p in prompts], params)
+    if oracle is None:
+        return AcceptanceOracle(llm, references, *args.oracle, seed=args.seed)
+    oracle.references.update(references)
+    return oracle
 
 
 def _prompts(args: argparse.Namespace, llm, name: str) -> list:
@@ -203,7 +246,7 @@ def _warm_up(args: argparse.Namespace, llm, prompts: list, concurrency: int) -> 
 
 
 def _timed_run(args: argparse.Namespace, llm, spec: str, dataset: str, prompts: list,
-               concurrency: int, round_: int, bar) -> dict:
+               concurrency: int, round_: int, bar, oracle=None) -> dict:
     """One timed run: its metric row (with the draft budgets the run chose and the batch sizes
     it speculated at)."""
     from flashtree.bench.offline import run_offline
@@ -211,8 +254,16 @@ def _timed_run(args: argparse.Namespace, llm, spec: str, dataset: str, prompts: 
     before = {name: dict(counts) for name, counts in _spec_counts(llm).items()}
     records, duration = run_offline(llm, prompts, concurrency, args.max_tokens,
                                     args.temperature, args.seed, bar.update)
+    checked = {}
+    if oracle is not None:  # the oracle's rates, and the requests whose tokens equal plain's
+        from flashtree.bench.offline import encode
+
+        same = [oracle.references.get(tuple(encode(llm, p))) == encode(llm, p) + r.token_ids
+                for p, r in zip(prompts, records)]
+        checked = {"oracle_p": oracle.p, "oracle_q": oracle.q,
+                   "equal_to_plain": sum(same) / len(same)}
     return {"dataset": dataset, "spec": spec, "concurrency": concurrency, "round": round_,
-            **summarize(records, duration),
+            **summarize(records, duration), **checked,
             **{name: _counts_since(before[name], counts)
                for name, counts in _spec_counts(llm).items()}}
 

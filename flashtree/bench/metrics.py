@@ -19,6 +19,7 @@ class RequestRecord:
     end: float | None = None
     output_tokens: int | None = None  # set when known exactly (usage); else the chunk sum
     accept_lengths: list[int] = field(default_factory=list)  # tokens per target forward
+    token_ids: list[int] = field(default_factory=list)  # the output (in-process runs)
     error: str | None = None
 
     @property

@@ -52,6 +52,7 @@ def run_offline(
                 rec.chunks.append((now, new))
             if seq.is_finished:
                 rec.end, rec.accept_lengths = now, list(seq.spec_accept_lengths)
+                rec.token_ids = list(seq.output_ids)
                 rec.error = seq.error
                 del active[seq]
                 if on_finish is not None:

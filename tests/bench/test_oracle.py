@@ -1,0 +1,103 @@
+"""The acceptance oracle: it ranks the target's next token where asked and leaves every other
+logit alone; with it a DFlash chain accepts 1 + sum_{i<B} p^i tokens per step (the analytic
+value, within sampling error), and speculative outputs still equal plain decoding."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashtree import LLM, SamplingParams
+from flashtree.bench.oracle import AcceptanceOracle, plain_references, rank_targets
+
+PROMPTS = [[0, 1, 2], [3, 4], [1, 1, 0, 2], [4, 3, 2, 1], [2], [0, 0, 1], [3, 1], [2, 4, 4]]
+BLOCK = 8
+
+
+def test_targets_take_the_asked_rank_and_nothing_else_moves():
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    targets = torch.tensor([3, 7, 0, -1, 11])
+    ranks = torch.tensor([1, 2, 0, 1, 2])
+    rank_targets(logits, targets, ranks)
+    order = logits.argsort(dim=1, descending=True)
+    assert order[0, 0] == 3 and order[1, 1] == 7 and order[2, -1] == 0 and order[4, 1] == 11
+    assert torch.equal(logits[3], before[3])  # no target: untouched
+    changed = torch.zeros_like(logits, dtype=torch.bool)
+    changed[[0, 1, 2, 4], [3, 7, 0, 11]] = True
+    assert torch.equal(logits[~changed], before[~changed])
+
+
+def _llm(pair, spec: str) -> LLM:
+    target, drafter = map(str, pair)
+    return LLM(model=target, draft=drafter, spec=spec, spec_policy="fixed", device="cpu",
+               skip_tokenizer_init=True, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("p", [0.5, 0.8])
+def test_chain_acceptance_is_the_analytic_value_and_tokens_equal_plain(small_pair, p):
+    llm = _llm(small_pair, "dflash")
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    references = plain_references(llm, PROMPTS, params)
+    AcceptanceOracle(llm, references, p, seed=1)
+    outs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs):
+        assert list(prompt) + list(out.outputs[0].token_ids) == references[tuple(prompt)]
+    # Steps away from the end, where the block is not cut short by max_tokens.
+    lengths = [n for o in outs for n in o.outputs[0].spec_accept_lengths[:-4]]
+    mean = sum(lengths) / len(lengths)
+    accept = [p**i for i in range(BLOCK)]  # P(length >= i + 1)
+    expected = sum(accept)
+    variance = sum((2 * i + 1) * a for i, a in enumerate(accept)) - expected**2
+    assert abs(mean - expected) < 4 * math.sqrt(variance / len(lengths)), (mean, expected)
+
+
+def test_ddtree_with_second_choices_accepts_more_and_tokens_equal_plain(small_pair):
+    llm = _llm(small_pair, "ddtree")
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    references = plain_references(llm, PROMPTS, params)
+    oracle = AcceptanceOracle(llm, references, 0.5, q=0.0, seed=2)
+    top1 = llm.generate(PROMPTS, params)
+    oracle.q = 0.9
+    both = llm.generate(PROMPTS, params)
+    for prompt, a, b in zip(PROMPTS, top1, both):
+        assert list(prompt) + list(a.outputs[0].token_ids) == references[tuple(prompt)]
+        assert list(prompt) + list(b.outputs[0].token_ids) == references[tuple(prompt)]
+
+    def mean(outs):
+        lengths = [n for o in outs for n in o.outputs[0].spec_accept_lengths]
+        return sum(lengths) / len(lengths)
+    assert mean(both) > mean(top1) + 0.3
+
+
+def test_bench_oracle_rows_report_rates_acceptance_and_equality(tiny_chat_model, tmp_path):
+    model, drafter = tiny_chat_model
+    run = subprocess.run(
+        [sys.executable, "-m", "flashtree", "bench", "--model", str(model), "--draft",
+         str(drafter), "--spec", "none,dflash:fixed", "--oracle", "0.9", "--dataset", "random",
+         "--random-input-len", "6", "--num-prompts", "4", "--max-tokens", "40",
+         "--concurrency", "1,3", "--device", "cpu", "--no-progress", "--output-dir",
+         str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    spec_rows = [r for r in rows if r["spec"] == "dflash:fixed"]
+    assert len(spec_rows) == 2
+    for row in spec_rows:
+        assert row["equal_to_plain"] == 1.0 and row["oracle_p"] == 0.9
+        assert row["accept_length"] > 2.5  # a random drafter alone accepts about 1
+    assert all("equal_to_plain" not in r for r in rows if r["spec"] == "none")
+    assert "acceptance oracle p=0.9" in (tmp_path / "report.md").read_text()
+
+
+def test_bench_oracle_refuses_sampling(tiny_chat_model, tmp_path):
+    model, drafter = tiny_chat_model
+    run = subprocess.run(
+        [sys.executable, "-m", "flashtree", "bench", "--model", str(model), "--draft",
+         str(drafter), "--spec", "dflash", "--oracle", "0.9", "--temperature", "0.7",
+         "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "--oracle needs --temperature 0" in run.stderr
