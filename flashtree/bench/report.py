@@ -72,12 +72,31 @@ def _fmt(x, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def never_drafted(row: dict) -> bool:
+    """A speculative row whose engine decoded plainly all along (its speed is plain decoding's,
+    whatever the speedup column says)."""
+    histogram = row.get("budget_histogram") or {}
+    return row["spec"] != "none" and bool(histogram) and not any(
+        int(b) > 0 and n > 0 for b, n in histogram.items())
+
+
+def _noise_note(rounds: int) -> list[str]:
+    if rounds > 1:
+        return [f"Speedups: mean over {rounds} rounds, with their range; a range that holds 1 "
+                "is within this run's noise.", ""]
+    return ["Speedups come from one round each: differences of several percent can be the "
+            "machine's noise (another process on the cores, clock changes). Rerun with "
+            "`--rounds 3` or more to see each speedup's range.", ""]
+
+
 def write_report(out_dir: Path, rows: list[dict], header: list[str]) -> list[Path]:
-    """report.md (one table per dataset, slower-than-`none` rows flagged; rounds merged) and
-    the plots; returns the files written."""
+    """report.md (one table per dataset, rounds merged; rows slower than `none` beyond the
+    noise, rows that never drafted and speedups within the noise flagged) and the plots;
+    returns the files written."""
     rows = merge_rounds(rows)
-    lines = ["# flashtree bench", "", *header, ""]
-    slower = []
+    rounds = min((r["rounds"] for r in rows), default=1)
+    lines = ["# flashtree bench", "", *header, "", *_noise_note(rounds)]
+    slower, plain = [], []
     written = [out_dir / "report.md"]
     by_dataset: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
@@ -93,7 +112,14 @@ def write_report(out_dir: Path, rows: list[dict], header: list[str]) -> list[Pat
             spread = (f" ({r['speedup_min']:.2f}-{r['speedup_max']:.2f})"
                       if r["rounds"] > 1 and speed is not None else "")
             flag = ""
-            if speed is not None and speed < 1 and r["spec"] != "none":
+            within_noise = r["rounds"] > 1 and speed is not None and r["spec"] != "none" and (
+                r["speedup_min"] <= 1 <= r["speedup_max"])
+            if never_drafted(r):
+                flag = " **never drafted**"
+                plain.append(f"{dataset}: {r['spec']} at concurrency {r['concurrency']}")
+            elif within_noise:
+                flag = " (within noise)"
+            elif speed is not None and speed < 1 and r["spec"] != "none":
                 flag = " **slower than none**"
                 slower.append(f"{dataset}: {r['spec']} at concurrency {r['concurrency']} "
                               f"({speed:.2f}x)")
@@ -105,12 +131,15 @@ def write_report(out_dir: Path, rows: list[dict], header: list[str]) -> list[Pat
                 f"{_fmt(mean_budget(r.get('budget_histogram')), 1)} | {_fmt(speed, 2)}{spread}"
                 f"{flag} |")
         lines.append("")
-        written += _plots(out_dir, dataset, drows)
-        lines += [f"![throughput]({p.name})" for p in written[-2:-1]]
-        lines += [f"![acceptance]({p.name})" for p in written[-1:]]
+        plots = _plots(out_dir, dataset, drows)
+        written += plots
+        lines += [f"![{p.stem.rsplit('_', 1)[0].replace('_', ' ')}]({p.name})" for p in plots]
         lines.append("")
     lines += ["## Where speculation is slower than `none`", ""]
-    lines += [f"- {s}" for s in slower] or ["- nowhere in this sweep"]
+    lines += [f"- {s}" for s in slower] or ["- nowhere in this sweep (outside the noise)"]
+    if plain:
+        lines += ["", "## Speculative rows that never drafted (plain decoding's speed)", ""]
+        lines += [f"- {s}" for s in plain]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
     return written
 
@@ -130,12 +159,15 @@ def _plots(out_dir: Path, dataset: str, rows: list[dict]) -> list[Path]:
     ax.set_xscale("log", base=2)
     levels = sorted({r["concurrency"] for r in rows})
     ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_ylim(bottom=0)
     throughput = _finish_plot(fig, ax, "concurrency", "output tokens/s",
                               f"throughput vs concurrency ({dataset})",
                               out_dir / f"throughput_{stem}.png")
 
+    specs = sorted({r["spec"] for r in rows if r["spec"] != "none"})
+    if not specs:
+        return [throughput]
     fig, ax = plt.subplots(figsize=(6, 4))
-    specs = sorted({r["spec"] for r in rows})
     width = 0.8 / max(1, len(specs))
     for j, spec in enumerate(specs):
         hist: Counter = Counter()
@@ -146,6 +178,7 @@ def _plots(out_dir: Path, dataset: str, rows: list[dict]) -> list[Path]:
         ks = sorted(hist)
         ax.bar([k + j * width for k in ks], [hist[k] / total for k in ks], width=width,
                label=spec)
+    ax.set_xlim(left=0)
     accept = _finish_plot(fig, ax, "tokens committed per target forward", "share of forwards",
                           f"acceptance length ({dataset}, all concurrencies)",
                           out_dir / f"accept_hist_{stem}.png")

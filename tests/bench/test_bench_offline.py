@@ -14,7 +14,7 @@ from flashtree import LLM
 from flashtree.bench.datasets import load_dataset
 from flashtree.bench.metrics import RequestRecord, summarize
 from flashtree.bench.offline import run_offline
-from flashtree.bench.report import add_speedups, merge_rounds
+from flashtree.bench.report import add_speedups, merge_rounds, never_drafted, write_report
 
 REQUIRED = ["spec", "concurrency", "output_throughput", "request_throughput", "mean_ttft_ms",
             "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -70,8 +70,10 @@ def test_report_flags_slow_methods_and_plots_exist(sweep):
     out, rows = sweep
     report = (out / "report.md").read_text()
     assert "## random" in report and "## chat" in report and "flashtree bench" in report
-    slower = [r for r in rows if r["speedup_vs_none"] < 1]
+    slower = [r for r in rows if r["speedup_vs_none"] < 1 and not never_drafted(r)]
     assert report.count("**slower than none**") == len(slower)
+    assert report.count("**never drafted**") == sum(never_drafted(r) for r in rows)
+    assert "Rerun with `--rounds 3`" in report  # one round: the noise is unknown
     for name in ("throughput_random.png", "accept_hist_random.png", "throughput_chat.png",
                  "accept_hist_chat.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -176,3 +178,33 @@ def test_bad_dataset_and_missing_draft_are_named(tmp_path):
     counts = run("--spec", "none", "--num-prompts", "4,8,16", "--concurrency", "1,4")
     assert counts.returncode == 2
     assert "--num-prompts has 3 values for 2 --concurrency values" in counts.stderr
+
+
+def _row(spec: str, concurrency: int, round_: int, throughput: float, budgets: dict) -> dict:
+    return {"dataset": "chat", "spec": spec, "concurrency": concurrency, "round": round_,
+            "output_throughput": throughput, "request_throughput": 1.0, "mean_ttft_ms": 1.0,
+            "p99_ttft_ms": 1.0, "mean_tpot_ms": 1.0, "p99_tpot_ms": 1.0, "mean_e2e_ms": 1.0,
+            "accept_length": 1.5 if spec != "none" else 1.0, "budget_histogram": budgets,
+            "accept_length_histogram": {"1": 5, "2": 5} if spec != "none" else {"1": 10}}
+
+
+def test_report_tells_noise_plain_rows_and_real_losses_apart(tmp_path):
+    """Over two rounds: a speedup whose range holds 1 is within the noise, a speculative row
+    that never drafted is named as such, and only a loss in every round is slower than none."""
+    rows = []
+    for k, (c1, c4, c16) in enumerate([(0.95, 0.7, 0.8), (1.05, 1.3, 0.85)], start=1):
+        rows += [_row("none", c, k, 100.0, {}) for c in (1, 4, 16)]
+        rows += [_row("ddtree", 1, k, 100 * c1, {"0": 5, "15": 5}),
+                 _row("ddtree", 4, k, 100 * c4, {"0": 10}),
+                 _row("ddtree", 16, k, 100 * c16, {"15": 10})]
+    add_speedups(rows)
+    write_report(tmp_path, rows, ["header"])
+    report = (tmp_path / "report.md").read_text()
+    line = {c: next(ln for ln in report.splitlines() if ln.startswith(f"| ddtree | {c} |"))
+            for c in (1, 4, 16)}
+    assert "(within noise)" in line[1] and "slower" not in line[1]
+    assert "**never drafted**" in line[4]
+    assert "**slower than none**" in line[16]
+    assert "mean over 2 rounds" in report
+    assert "- chat: ddtree at concurrency 16 (0.82x)" in report
+    assert "- chat: ddtree at concurrency 4" in report.split("never drafted (plain")[1]
