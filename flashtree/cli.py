@@ -29,8 +29,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-policy", default="adaptive", choices=["adaptive", "fixed"],
-                   help="adaptive: per step and request, the draft budget that maximises "
-                        "expected tokens/s (0 = plain decoding); fixed: always the full one")
+                   help="adaptive: speculate where it measures faster than plain decoding, "
+                        "per batch size; fixed: always the full block or tree")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's, all cores; on a CPU shared "
+                        "with other busy processes, 1 avoids a collapse)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every forward runs eagerly (debugging)")
 
@@ -168,7 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   topk_cap=args.topk_cap, tree_sampling=args.tree_sampling,
                   spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
                   device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, seed=args.seed,
+                  max_num_seqs=args.max_num_seqs, seed=args.seed, threads=args.threads,
                   tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
         freeze_startup_heap()
         return llm
@@ -287,7 +290,7 @@ def _load(args: argparse.Namespace):
                tree_budget=args.tree_budget, topk_cap=args.topk_cap,
                spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               seed=args.seed)
+               seed=args.seed, threads=args.threads)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

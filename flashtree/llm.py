@@ -55,6 +55,7 @@ class LLM:
         page_size: int = 16,
         kv_cache_pages: int | None = None,
         max_num_batched_tokens: int = 1024,
+        threads: int | None = None,
         _tp_member: bool = False,  # internal: a TP worker rank building its shard
     ) -> None:
         if model == "default" and draft is None and spec != "none":
@@ -80,6 +81,10 @@ class LLM:
         if spec_policy not in SPEC_POLICIES:
             raise ValueError(f"spec_policy={spec_policy!r} is not supported; allowed: "
                              f"{list(SPEC_POLICIES)}")
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)  # process-wide, as torch's setting is
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if expert_parallel_size < 1 or tensor_parallel_size % expert_parallel_size:

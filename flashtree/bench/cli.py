@@ -76,6 +76,8 @@ def add_bench_parser(sub) -> None:
                             "(machine drift cancels) and reported as mean and range")
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for torch (default: torch's, all cores)")
     bench.add_argument("--oracle", type=_oracle_rates, default=None, metavar="P[,Q]",
                        help="fix the drafter's quality (greedy only): the target's next token "
                             "is the draft's top-1 with probability P per slot, its top-2 with "
@@ -205,7 +207,8 @@ def _engine(args: argparse.Namespace, method: Method):
 
     return LLM(model=args.model, draft=None if method.spec == "none" else args.draft,
                block_size=args.block_size, device=args.device, dtype=args.dtype,
-               max_num_seqs=max(args.concurrency), seed=args.seed, **method.llm_kwargs(args))
+               max_num_seqs=max(args.concurrency), seed=args.seed, threads=args.threads,
+               **method.llm_kwargs(args))
 
 
 def _install_oracle(args: argparse.Namespace, llm, prompts: list, oracle):

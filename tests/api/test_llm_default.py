@@ -106,3 +106,23 @@ def test_cli_reports_bad_input_without_traceback():
     )
     assert run.returncode == 2
     assert "does not exist" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_threads_option_sets_torch_threads_and_keeps_the_tokens(llm):
+    """`--threads 1` (a CPU shared with busy processes) decodes the library's tokens; a count
+    below 1 is refused naming the option."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    expected = llm.generate("The capital of France is", params)[0].outputs[0].text
+    code = ("import torch; from flashtree import LLM, SamplingParams; "
+            "llm = LLM(model='default', device='cpu', threads=1); "
+            "out = llm.generate('The capital of France is', "
+            "SamplingParams(temperature=0, max_tokens=8)); "
+            "print(torch.get_num_threads()); print(out[0].outputs[0].text)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    threads, text = run.stdout.split("\n", 1)
+    assert threads == "1" and text.strip() == expected.strip()
+    bad = subprocess.run([sys.executable, "-m", "flashtree", "generate", "hi", "--threads",
+                          "0", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "threads must be >= 1" in bad.stderr
