@@ -261,8 +261,9 @@ def _timed_run(args: argparse.Namespace, llm, spec: str, dataset: str, prompts: 
     if oracle is not None:  # the oracle's rates, and the requests whose tokens equal plain's
         from flashtree.bench.offline import encode
 
-        same = [oracle.references.get(tuple(encode(llm, p))) == encode(llm, p) + r.token_ids
-                for p, r in zip(prompts, records)]
+        encoded = [encode(llm, p) for p in prompts]
+        same = [oracle.references.get(tuple(ids)) == ids + r.token_ids
+                for ids, r in zip(encoded, records)]
         checked = {"oracle_p": oracle.p, "oracle_q": oracle.q,
                    "equal_to_plain": sum(same) / len(same)}
     return {"dataset": dataset, "spec": spec, "concurrency": concurrency, "round": round_,

@@ -12,21 +12,20 @@ import torch
 from flashtree.distributed import get_tp_size
 from flashtree.llm import LLM
 from flashtree.speculative.policy import FixedPolicy
+from flashtree.transfer import to_device
 
 
 def rank_targets(logits: torch.Tensor, targets: torch.Tensor, ranks: torch.Tensor) -> None:
     """In place: row i's `targets[i]` becomes its top-1 (`ranks[i]` 1), its top-2 (2) or its
     lowest logit (0); rows whose target is -1 stay as they are. logits [N, V]; targets, ranks
-    [N] int64 on the logits' device."""
-    rows = (targets >= 0).nonzero().squeeze(1)
-    if rows.numel() == 0:
-        return
-    sub, token, rank = logits[rows], targets[rows, None], ranks[rows]
-    others = sub.scatter(1, token, float("-inf")).topk(2, dim=1).values  # [n, 2]
-    value = torch.where(rank == 1, others[:, 0] + 1,
-                        torch.where(rank == 2, (others[:, 0] + others[:, 1]) / 2,
-                                    sub.min(dim=1).values - 1))
-    logits[rows] = sub.scatter(1, token, value[:, None])
+    [N] int64 on the logits' device. Device ops only: no host sync inside a draft step."""
+    token = targets.clamp_min(0)[:, None]
+    others = logits.scatter(1, token, float("-inf")).topk(2, dim=1).values  # [N, 2]
+    value = torch.where(ranks == 1, others[:, 0] + 1,
+                        torch.where(ranks == 2, (others[:, 0] + others[:, 1]) / 2,
+                                    logits.min(dim=1).values - 1))
+    value = torch.where(targets >= 0, value, logits.gather(1, token)[:, 0])  # -1: unchanged
+    logits.scatter_(1, token, value[:, None])
 
 
 class AcceptanceOracle:
@@ -61,7 +60,7 @@ class AcceptanceOracle:
         ranks = torch.where(draws < self.p, 1,
                             torch.where(draws < self.p + (1 - self.p) * self.q, 2, 0))
         with torch.inference_mode():  # the drafter's logits are inference tensors
-            rank_targets(logits, torch.tensor(targets, device=device), ranks)
+            rank_targets(logits, to_device(targets, device), ranks)
         return logits
 
 

@@ -179,11 +179,11 @@ class LLMEngine:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
         kind = step_kind(chunks)
-        outputs_before = sum(len(c.seq.output_ids) for c in chunks)
         if self.speculative is None or kind != "decode":
             if self.speculative is not None and kind == "mixed":  # plain for the decoding
                 self.speculative.stats.record_budget(0, sum(c.decode for c in chunks))
             return self._plain_step(chunks)
+        outputs_before = sum(len(c.seq.output_ids) for c in chunks)
         assert self.policy is not None
         speculate = self.policy.plan(len(chunks)) > 0 and self._reserve_lookahead(chunks)
         if speculate:
