@@ -41,8 +41,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tp_bench import QWEN3_8B, TINY, make_drafter, make_target, step_times  # noqa: E402
+from benchmarks.tp_bench import make_drafter, make_target, step_times  # noqa: E402
 from flashtree import LLM, SamplingParams  # noqa: E402
+from flashtree.bench.random_pair import QWEN3_8B, TINY  # noqa: E402
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR  # noqa: E402
 from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
 from flashtree.speculative.proposer import ContextRows  # noqa: E402

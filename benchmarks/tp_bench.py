@@ -24,14 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashtree import LLM, SamplingParams  # noqa: E402
+from flashtree.bench.random_pair import QWEN3_8B, TINY  # noqa: E402
 from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
 
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                rope_theta=1e6, max_position_embeddings=40960)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=512, rope_theta=1e4,
-            max_position_embeddings=4096)
 COMMON = dict(tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
               rms_norm_eps=1e-6)
 

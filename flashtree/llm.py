@@ -15,6 +15,7 @@ from flashtree.config import (
     TREE_SAMPLING_MODES,
     CacheConfig,
     EngineConfig,
+    ModelConfig,
     SchedulerConfig,
     SpecConfig,
     parse_dtype,
@@ -22,7 +23,8 @@ from flashtree.config import (
 from flashtree.distributed import get_tp_size, set_ep_size
 from flashtree.distributed.tp import TPDriverEngine, TPGroup
 from flashtree.engine.llm_engine import LLMEngine
-from flashtree.models.dflash import load_dflash_drafter
+from flashtree.models.dflash import DFlashDraftModel, load_dflash_drafter
+from flashtree.models.llama import DecoderModel
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR, load_model, resolve_model_path
 from flashtree.outputs import CompletionOutput, RequestOutput
 from flashtree.sampling import SamplingParams
@@ -30,6 +32,7 @@ from flashtree.sequence import Sequence
 from flashtree.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+Modules = tuple[DecoderModel, ModelConfig, DFlashDraftModel | None]
 
 
 class LLM:
@@ -57,15 +60,19 @@ class LLM:
         max_num_batched_tokens: int = 1024,
         threads: int | None = None,
         _tp_member: bool = False,  # internal: a TP worker rank building its shard
+        _modules: Modules | None = None,  # internal: see from_modules
     ) -> None:
-        if model == "default" and draft is None and spec != "none":
+        if model == "default" and draft is None and spec != "none" and _modules is None:
             draft = str(DEFAULT_DRAFTER_DIR)
+        has_drafter = draft is not None if _modules is None else _modules[2] is not None
         if spec is None:
-            spec = "none" if draft is None else "ddtree"
+            spec = "ddtree" if has_drafter else "none"
         if spec not in SPEC_METHODS:
             raise ValueError(f"spec={spec!r} is not supported; allowed: {list(SPEC_METHODS)}")
-        if spec != "none" and draft is None:
+        if spec != "none" and not has_drafter:
             raise ValueError(f"spec={spec!r} needs a drafter: pass draft='/path/to/dflash_dir'")
+        if _modules is not None and tensor_parallel_size != 1:
+            raise ValueError("models built in this process run without tensor parallelism")
         if block_size is not None and (spec == "none" or block_size < 2):
             raise ValueError(
                 f"block_size={block_size} needs spec='dflash' or 'ddtree' and must be >= 2"
@@ -108,7 +115,7 @@ class LLM:
         try:
             set_ep_size(expert_parallel_size)  # read by MoE layers as they are built
             self._build(
-                model=model, draft=draft, spec=spec, block_size=block_size,
+                model=model, draft=draft, modules=_modules, spec=spec, block_size=block_size,
                 tree_budget=tree_budget, topk_cap=topk_cap, dtype=dtype,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 skip_tokenizer_init=skip_tokenizer_init, seed=seed, tree_sampling=tree_sampling,
@@ -126,17 +133,33 @@ class LLM:
         if self._tp is not None:
             self._tp.shutdown()
 
-    def _build(self, *, model, draft, spec, block_size, tree_budget, topk_cap, dtype, max_model_len,
-               max_num_seqs, skip_tokenizer_init, seed, tree_sampling, spec_policy, page_size,
-               kv_cache_pages, max_num_batched_tokens, enforce_eager) -> None:
+    @classmethod
+    def from_modules(cls, model: DecoderModel, model_config: ModelConfig,
+                     drafter: DFlashDraftModel | None = None, **options) -> LLM:
+        """An LLM over a target (and drafter) already built in this process, e.g. random
+        weights made on the device for a benchmark; token ids only (no tokenizer), one
+        process. `options`: the constructor's other arguments."""
+        weight = next(model.parameters())
+        options = {"device": str(weight.device), "dtype": weight.dtype, **options}
+        return cls(_modules=(model, model_config, drafter), skip_tokenizer_init=True, **options)
+
+    def _build(self, *, model, draft, modules, spec, block_size, tree_budget, topk_cap, dtype,
+               max_model_len, max_num_seqs, skip_tokenizer_init, seed, tree_sampling,
+               spec_policy, page_size, kv_cache_pages, max_num_batched_tokens,
+               enforce_eager) -> None:
         self.dtype = parse_dtype(dtype, self.device)
-        path = resolve_model_path(model)
-        self.model, self.model_config = load_model(path, self.dtype, self.device)
-        self.drafter = None
+        if modules is None:
+            path = resolve_model_path(model)
+            self.model, self.model_config = load_model(path, self.dtype, self.device)
+            self.drafter = (None if spec == "none"
+                            else load_dflash_drafter(draft, self.dtype, self.device))
+        else:
+            self.model, self.model_config, self.drafter = modules
+            if spec == "none":
+                self.drafter = None
         spec_cfg = None
         if spec != "none":
-            assert draft is not None
-            self.drafter = load_dflash_drafter(draft, self.dtype, self.device)
+            assert self.drafter is not None
             block_size = block_size or self.drafter.cfg.block_size
             spec_cfg = SpecConfig(spec, block_size, tree_budget or block_size - 1, topk_cap,
                                   tree_sampling, spec_policy)
@@ -248,7 +271,8 @@ class LLM:
         return params
 
 
-_INIT_ARGS = frozenset(inspect.signature(LLM.__init__).parameters) - {"self", "_tp_member"}
+_INIT_ARGS = frozenset(inspect.signature(LLM.__init__).parameters) - {"self", "_tp_member",
+                                                                     "_modules"}
 
 
 def _tp_worker_engine(llm_kwargs: dict) -> LLMEngine:

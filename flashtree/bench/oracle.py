@@ -12,6 +12,7 @@ import torch
 from flashtree.distributed import get_tp_size
 from flashtree.llm import LLM
 from flashtree.speculative.policy import FixedPolicy
+from flashtree.speculative.tree import build_trees_from_topk, topk_logprobs
 from flashtree.transfer import to_device
 
 
@@ -56,9 +57,7 @@ class AcceptanceOracle:
             targets += [reference[start + j] if start + j < len(reference) else -1
                         for j in range(1, size)]
         device = logits.device
-        draws = torch.rand(len(targets), generator=self.generator, device=device)
-        ranks = torch.where(draws < self.p, 1,
-                            torch.where(draws < self.p + (1 - self.p) * self.q, 2, 0))
+        ranks = oracle_ranks(len(targets), self.p, self.q, self.generator)
         with torch.inference_mode():  # the drafter's logits are inference tensors
             rank_targets(logits, to_device(targets, device), ranks)
         return logits
@@ -75,3 +74,44 @@ def plain_references(llm: LLM, prompts: list[list[int]], params) -> dict[tuple[i
     finally:
         engine.policy = policy
     return {tuple(p): list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
+
+
+def oracle_ranks(count: int, p: float, q: float, generator: torch.Generator) -> torch.Tensor:
+    """`count` seeded rank draws: 1 with probability p, 2 with q of the rest, else 0."""
+    draws = torch.rand(count, generator=generator, device=generator.device)
+    return torch.where(draws < p, 1, torch.where(draws < p + (1 - p) * q, 2, 0))
+
+
+def expected_tree_acceptance(draft_logits: torch.Tensor, p: float, q: float, budget: int,
+                             trials: int, generator: torch.Generator, topk: int | None = None
+                             ) -> float:
+    """Monte Carlo estimate of the tokens a greedy DDTree step commits under the oracle:
+    `trials` copies of one drafted block's logits ([L, V], L = block - 1 slots) are rewritten
+    with random target tokens at rates (p, q), each builds its best-first tree of `budget`
+    nodes as the engine does, and the target path is walked. Calibrates Q without a run."""
+    slots, vocab = draft_logits.shape
+    device = draft_logits.device
+    targets = torch.randint(0, vocab, (trials, slots), generator=generator, device=device)
+    logits = draft_logits.float().expand(trials, -1, -1).reshape(-1, vocab).clone()
+    rank_targets(logits, targets.reshape(-1), oracle_ranks(logits.shape[0], p, q, generator))
+    accepted = tree_acceptance(logits.view(trials, slots, vocab), targets, budget, topk)
+    return accepted.double().mean().item()
+
+
+def tree_acceptance(logits: torch.Tensor, targets: torch.Tensor, budget: int,
+                    topk: int | None = None) -> torch.Tensor:
+    """Tokens each greedy DDTree step commits (accepted nodes + 1) when the target's tokens
+    are `targets` [T, L] and the drafter's logits `logits` [T, L, V]: the engine's best-first
+    tree of `budget` nodes, walked along the targets."""
+    slots, vocab = logits.shape[1:]
+    top_lp, top_tok = topk_logprobs(logits, min(budget, vocab, topk or vocab))
+    roots = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    trees = build_trees_from_topk(top_lp, top_tok, roots, budget)
+    # A node is on the target path when its token is the target at its depth and its parent
+    # is on the path; one pass per depth settles every depth.
+    wanted = targets.gather(1, (trees.depth - 1).clamp_min(0))  # [T, N]
+    on_path = trees.depth == 0
+    for _ in range(slots):
+        on_path = on_path | ((trees.tokens == wanted) & on_path.gather(1, trees.parent)
+                             & (trees.depth > 0))
+    return 1 + (trees.depth * on_path).amax(dim=1)

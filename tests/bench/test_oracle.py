@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.bench.oracle import AcceptanceOracle, plain_references, rank_targets
+from flashtree.bench.oracle import (
+    AcceptanceOracle,
+    expected_tree_acceptance,
+    plain_references,
+    rank_targets,
+    tree_acceptance,
+)
 
 PROMPTS = [[0, 1, 2], [3, 4], [1, 1, 0, 2], [4, 3, 2, 1], [2], [0, 0, 1], [3, 1], [2, 4, 4]]
 BLOCK = 8
@@ -31,6 +37,41 @@ def test_targets_take_the_asked_rank_and_nothing_else_moves():
     changed = torch.zeros_like(logits, dtype=torch.bool)
     changed[[0, 1, 2, 4], [3, 7, 0, 11]] = True
     assert torch.equal(logits[~changed], before[~changed])
+
+
+def _brute_force_acceptance(logits: torch.Tensor, targets: list[int], budget: int) -> int:
+    """The `budget` most probable prefixes (sum of log-probabilities, ties to the shallower),
+    enumerated; 1 + the depth of the longest target prefix among them."""
+    logp = logits.double().log_softmax(-1)  # [L, V]
+    slots, vocab = logp.shape
+    prefixes = [()]
+    for _ in range(slots):
+        prefixes += [p + (t,) for p in prefixes if len(p) == len(prefixes[-1]) for t in
+                     range(vocab)]
+    scored = sorted(prefixes[1:], key=lambda p: (-sum(logp[d, t].item()
+                                                       for d, t in enumerate(p)), len(p)))
+    chosen = set(scored[:budget])
+    return 1 + max(d for d in range(slots + 1) if d == 0 or tuple(targets[:d]) in chosen)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 7, 20])
+def test_tree_acceptance_matches_brute_force(budget):
+    gen = torch.Generator().manual_seed(budget)
+    logits = torch.randn(40, 3, 4, generator=gen) * 2  # 40 trials, 3 slots, vocab 4
+    targets = torch.randint(0, 4, (40, 3), generator=gen)
+    got = tree_acceptance(logits, targets, budget).tolist()
+    want = [_brute_force_acceptance(logits[i], targets[i].tolist(), budget) for i in range(40)]
+    assert got == want
+
+
+def test_expected_tree_acceptance_spans_its_limits():
+    gen = torch.Generator().manual_seed(0)
+    confident = torch.randn(7, 50, generator=gen) * 20  # 7 slots: a block of 8
+    assert expected_tree_acceptance(confident, 1.0, 0.0, 60, 64, gen) == 8.0  # the spine
+    assert expected_tree_acceptance(confident, 0.0, 0.0, 30, 64, gen) == 1.0  # never drafted
+    top1 = expected_tree_acceptance(confident, 0.6, 0.0, 30, 2000, gen)
+    both = expected_tree_acceptance(confident, 0.6, 0.9, 30, 2000, gen)
+    assert both > top1 + 0.3
 
 
 def _llm(pair, spec: str) -> LLM:

@@ -1,0 +1,77 @@
+"""The compiled-PyTorch peer of flashtree's decode step, written as gpt-fast writes it: a plain
+decoder over a static KV cache [batch, kv_heads, max_len, head_dim] per layer, attention by
+`scaled_dot_product_attention` over the whole cache under a position mask, and one decode
+step compiled with `torch.compile(mode="reduce-overhead", fullgraph=True)`. It reads the
+weights of a flashtree Qwen3-architecture `DecoderModel` in place (no copy), so both decode
+the same model."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE; x [B, H, 1, D], cos/sin [1, 1, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class CompiledPeer:
+    """Decode steps of `model` for `batch` sequences whose KV cache holds `ctx` positions
+    (random values: the step's cost does not depend on them)."""
+
+    def __init__(self, model, cfg, batch: int, ctx: int, max_len: int) -> None:
+        self.model, self.cfg, self.batch = model, cfg, batch
+        weight = model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.heads, self.kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim, self.eps = cfg.head_dim, cfg.rms_norm_eps
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        self.caches = [(torch.randn(shape, device=self.device, dtype=self.dtype),
+                        torch.randn(shape, device=self.device, dtype=self.dtype))
+                       for _ in model.layers]
+        inv = 1.0 / (cfg.rope.theta ** (torch.arange(0, self.head_dim, 2, device=self.device)
+                                        .float() / self.head_dim))
+        angles = torch.outer(torch.arange(max_len, device=self.device).float(), inv)
+        self.cos = torch.cat([angles.cos()] * 2, dim=-1)  # [max_len, D]
+        self.sin = torch.cat([angles.sin()] * 2, dim=-1)
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self.pos = torch.full((1,), ctx, dtype=torch.long, device=self.device)
+        self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True)
+
+    def _step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        m, b = self.model, self.batch
+        x = F.embedding(tokens, m.embed_tokens.weight)  # [B, 1, hidden]
+        cos, sin = self.cos[pos].view(1, 1, 1, -1), self.sin[pos].view(1, 1, 1, -1)
+        mask = (torch.arange(self.caches[0][0].shape[2], device=pos.device) <= pos)[None, None,
+                                                                                       None]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for layer, (k_cache, v_cache) in zip(m.layers, self.caches):
+            attn = layer.self_attn
+            h = _rms(x, layer.input_layernorm.weight, self.eps)
+            qkv = F.linear(h, attn.qkv_proj.weight)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = _rms(q.view(b, 1, self.heads, self.head_dim), attn.q_norm.weight, self.eps)
+            k = _rms(k.view(b, 1, self.kv_heads, self.head_dim), attn.k_norm.weight, self.eps)
+            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+            k_cache.index_copy_(2, pos, k)
+            v_cache.index_copy_(2, pos, v.view(b, 1, self.kv_heads, self.head_dim)
+                                .transpose(1, 2))
+            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
+                                               enable_gqa=True)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, 1, q_size), attn.o_proj.weight)
+            h = _rms(x, layer.post_attention_layernorm.weight, self.eps)
+            gate, up = F.linear(h, layer.mlp.gate_up_proj.weight).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+        x = _rms(x, m.norm.weight, self.eps)
+        return F.linear(x, m.lm_head.weight).argmax(dim=-1)  # [B, 1] next tokens
+
+    def __call__(self) -> torch.Tensor:
+        return self.step(self.tokens, self.pos)

@@ -1,0 +1,638 @@
+"""Speed at real acceptance (issue 45): a Qwen3-8B-shaped random-weight target and its 5-layer
+block-16 DFlash drafter, built on the GPU (flashtree/bench/random_pair.py), measured with the
+acceptance oracle (flashtree/bench/oracle.py) fixing how often drafts hit the target's greedy
+tokens while every cost stays real. Context 1k, greedy; tokens/s are decode-phase rates (from
+a request's `--skip`-th token to its last: prefill left out, as TPOT speedups are).
+
+Sections (each fills its part of the JSON; ratios are taken within one section's run):
+  steps      AR step vs its bandwidth floor and vs a gpt-fast-style compiled peer; draft,
+             chain-16 and 64-node verify steps against the AR step (batch 1)
+  calibrate  P for paper-DFlash (1 + sum P^i = 6.6 at block 16); Q for paper-DDTree by
+             Monte Carlo over the real drafter's logits (the 256-node tree accepts 9.54)
+  c1         concurrency 1: none, DFlash, DDTree at budgets 15..511 (and topk_cap), the
+             acceptance curve for the plot, equality with plain decoding
+  profile    one speculative step at concurrency 1 under the profiler: GPU busy share,
+             device-to-host reads, where the time goes
+  sweep      concurrency 1..256: none, DFlash and DDTree, fixed and adaptive
+  pair       the default pair (SmolLM2-135M GGUF + shipped drafter), none / DFlash / DDTree
+
+    python benchmarks/oracle_bench.py --sections steps,calibrate,c1,profile
+    python benchmarks/oracle_bench.py --sections sweep,pair --default-model /path/model.gguf
+    python benchmarks/oracle_bench.py --plot benchmarks/results/2026-12-04-oracle-gpu.json
+    python benchmarks/oracle_bench.py --shape tiny --device cpu --out /tmp/o.json  # a check
+
+Results merge into `--out` (JSON) and a report beside it (.md); `--plot` draws speedup over
+`none` against acceptance with the papers' points (run where matplotlib is installed)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gptfast_peer import CompiledPeer  # noqa: E402
+from benchmarks.gpu_bench import (  # noqa: E402
+    Scratch,
+    ar_forward,
+    copy_bandwidth,
+    draft_setup,
+    e2e_flashtree,
+    empty_cache,
+    median_ms,
+    pair_prompts,
+    sync,
+    verify_forward,
+    weight_bytes,
+)
+from flashtree import LLM, SamplingParams  # noqa: E402
+from flashtree.bench.oracle import AcceptanceOracle, expected_tree_acceptance  # noqa: E402
+from flashtree.bench.random_pair import SHAPES, random_drafter, random_target, top2_gaps  # noqa
+from flashtree.models.registry import DEFAULT_DRAFTER_DIR, resolve_model_path  # noqa: E402
+from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
+from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy  # noqa: E402
+
+SECTIONS = ("steps", "calibrate", "c1", "profile", "sweep", "pair")
+BLOCK = 16
+PAPER_DFLASH_TAU = 6.6  # DFlash paper, Qwen3-8B, GSM8K
+PAPER_DDTREE_TAU = 9.54  # DDTree paper, the same pair: 6.57 -> 9.54
+CALIBRATION_BUDGET = 255  # the DDTree paper's best budgets on Qwen3-8B were 256-512 nodes
+BUDGETS = (15, 31, 63, 127, 255, 511)
+CURVE_TAUS = (2, 3, 4, 5, 6.6, 8, 10, 12)  # chain acceptances of the plot's oracle settings
+# (acceptance, speedup over autoregressive, source) published for Qwen3-8B.
+PAPER_POINTS = {
+    "dflash": [(6.6, 4.8, "DFlash paper, GSM8K"), (7.8, 5.6, "DFlash paper, MATH-500")],
+    "ddtree": [(9.54, 6.75, "DDTree paper, GSM8K"), (10.7, 7.5, "DDTree paper, MATH-500")],
+}
+SGLANG_POINTS = [(6.35, 846, "SGLang DFlash, B200, c=1"),
+                 (6.35, 1162, "SGLang DFlash + overlap, B200, c=1")]
+GOALS = [  # (JSON key, comparison, threshold)
+    ("dflash_over_none_c1", ">=", 4.8), ("ddtree_over_none_c1", ">=", 6.75),
+    ("ddtree_over_dflash_c1", ">=", 1.3), ("gpu_busy_spec_step", ">=", 0.95),
+    ("device_reads_per_spec_step", "<=", 1), ("draft_over_ar_step", "<=", 0.15),
+    ("verify16_over_ar_step", "<=", 1.1), ("verify64_over_ar_step", "<=", 1.2),
+    ("ar_step_over_floor", "<=", 1.25), ("ar_speed_over_compiled_peer", ">", 1.0),
+    ("min_spec_over_none", ">=", 1.0), ("min_adaptive_over_best_fixed", ">=", 0.95),
+]
+
+
+def chain_rate(tau: float, block: int = BLOCK) -> float:
+    """P with 1 + sum_{i=1}^{block-1} P^i = tau (bisection; tau in [1, block])."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**i for i in range(block)) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, res: dict) -> None:
+        self.args, self.res = args, res
+        self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
+        self.shape = SHAPES[args.shape]
+        self.ctx = args.ctx
+        t = time.time()
+        self.target, self.cfg = random_target(self.shape, self.dtype, self.device)
+        self.drafter = random_drafter(self.cfg, self.shape, self.dtype, self.device,
+                                      block_size=BLOCK)
+        self.res.setdefault("build_s", time.time() - t)
+        self._llm: LLM | None = None
+        gen = random.Random(0)
+        vocab = self.shape["vocab_size"]
+        self.prompts = [[gen.randrange(vocab - 1) for _ in range(self.ctx)]
+                        for _ in range(max(args.prompts, 256))]
+        self.references: dict[tuple[int, ...], list[int]] = {}
+
+    # --- engines ---------------------------------------------------------------------------
+    def llm(self, spec: str, budget: int | None = None, max_num_seqs: int = 1,
+            topk_cap: int | None = None, policy: str = "fixed") -> LLM:
+        """A fresh engine over the shared weights (the previous one released first)."""
+        self.release()
+        kw = {} if spec == "none" else dict(spec=spec, spec_policy=policy)
+        if spec == "ddtree":
+            kw.update(tree_budget=budget, topk_cap=topk_cap)
+        # Room for the longest run plus the largest tree's speculative lookahead.
+        longest = self.ctx + self.args.skip + max(self.args.tokens, self.args.sweep_tokens)
+        longest += max(BUDGETS) + 64
+        self._llm = LLM.from_modules(self.target, self.cfg, self.drafter, max_num_seqs=max_num_seqs,
+                                     max_model_len=longest, max_num_batched_tokens=8192,
+                                     enforce_eager=self.args.enforce_eager, **kw)
+        return self._llm
+
+    def release(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+            empty_cache(self.device)
+
+    def oracle(self, llm: LLM, p: float, q: float = 0.0) -> AcceptanceOracle:
+        return AcceptanceOracle(llm, self.references, p, q, seed=self.args.seed)
+
+    def decode(self, llm: LLM, prompts: list[list[int]], tokens: int | None = None) -> dict:
+        """All `prompts` at once, greedy: decode-phase tokens/s (from every request's
+        `--skip`-th token on), mean tokens per speculative step, and whether every output
+        equals the plain reference (where one is known)."""
+        eng, skip = llm.engine, self.args.skip
+        params = SamplingParams(temperature=0, max_tokens=skip + (tokens or self.args.tokens),
+                                ignore_eos=True)
+        seqs = [eng.add_request(p, params) for p in prompts]
+        while any(len(s.output_ids) < skip and not s.is_finished for s in seqs):
+            eng.step()
+        sync(self.device)
+        start, before = time.perf_counter(), sum(len(s.output_ids) for s in seqs)
+        steps = [len(s.spec_accept_lengths) for s in seqs]
+        while any(not s.is_finished for s in seqs):
+            eng.step()
+        sync(self.device)
+        seconds = time.perf_counter() - start
+        accepted = [n for s, k in zip(seqs, steps) for n in s.spec_accept_lengths[k:]]
+        known = [tuple(p) in self.references for p in prompts]
+        equal = [self.references.get(tuple(p), [])[: len(p) + len(s.output_ids)]
+                 == list(p) + list(s.output_ids) for p, s in zip(prompts, seqs)]
+        tokens = sum(len(s.output_ids) for s in seqs) - before
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "tau": sum(accepted) / len(accepted) if accepted else 1.0,
+                "equal_to_plain": sum(equal) / len(equal) if all(known) else None,
+                "requests": len(prompts)}
+
+    def c1_rate(self, llm: LLM, prompts: list[list[int]]) -> dict:
+        """Concurrency 1: the prompts one after another (tokens/s over all of them)."""
+        runs = [self.decode(llm, [p]) for p in prompts]
+        eq = [r["equal_to_plain"] for r in runs]
+        return {"tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
+                "tau": sum(r["tau"] for r in runs) / len(runs),
+                "equal_to_plain": None if None in eq else sum(eq) / len(eq)}
+
+    def plain_references(self, prompts: list[list[int]]) -> None:
+        """Greedy plain outputs of `prompts` (a `none` engine, all at once), kept."""
+        todo = [p for p in prompts if tuple(p) not in self.references]
+        if not todo:
+            return
+        llm = self.llm("none", max_num_seqs=len(todo))
+        longest = self.args.skip + max(self.args.tokens, self.args.sweep_tokens)
+        params = SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True)
+        for p, out in zip(todo, llm.generate(todo, params)):
+            self.references[tuple(p)] = list(p) + list(out.outputs[0].token_ids)
+
+    # --- sections --------------------------------------------------------------------------
+    def steps(self) -> dict:
+        ctx, reps, dev = self.ctx, self.args.reps, self.device
+        r: dict = {"ctx": ctx, "bytes_per_s": copy_bandwidth(dev, self.args.copy_mib, reps)}
+        llm = self.llm("none", max_num_seqs=2)
+        total, read = weight_bytes(llm)
+        kv = llm.engine.cache.bytes_per_token
+        with Scratch(llm) as s:
+            r["ar_ms"] = median_ms(ar_forward(llm, s, 1, ctx), dev, reps)
+            # Decisiveness: every position of a prompt, its top-2 gap against the top logit.
+            item = BatchItem(s.take(1, 0, ctx)[0], 0, self.prompts[0], all_logits=True)
+            logits, _ = llm.engine.runner.forward(Mode.PREFILL, [item])
+            r["min_top2_gap"] = top2_gaps(logits).min().item()
+            r["max_logit"] = logits.max().item()
+            del logits
+        r["floor_ms"] = (read + ctx * kv) / r["bytes_per_s"] * 1e3
+        r.update(weight_bytes=total, weight_bytes_read=read, kv_bytes_per_token=kv)
+        self.release()
+        peer = CompiledPeer(self.target, self.cfg, 1, ctx, ctx + 64)
+        t = time.time()
+        peer()
+        r["peer_compile_s"] = time.time() - t
+        r["peer_ms"] = median_ms(peer, dev, reps, warmup=5)
+        del peer
+        empty_cache(dev)
+        llm = self.llm("dflash")
+        gen = random.Random(1)
+        with Scratch(llm) as s:
+            sid = s.take(1, ctx, BLOCK)[0]
+            tokens = [gen.randrange(self.shape["vocab_size"] - 1) for _ in range(BLOCK)]
+            item = BatchItem(sid, ctx, tokens, all_logits=True)
+            verify = lambda: llm.engine.runner.forward(Mode.VERIFY, [item], gather_logits=False)  # noqa: E731
+            r["verify16_ms"] = median_ms(verify, dev, reps)
+            blocks, _, _ = draft_setup(llm, s, ctx)
+            prop = llm.engine.proposer
+            r["draft_ms"] = median_ms(lambda: prop.draft_logits(blocks, False), dev, reps)
+        llm = self.llm("ddtree", budget=63)
+        with Scratch(llm) as s:
+            r["verify64_ms"] = median_ms(verify_forward(llm, s, 64, ctx, self.shape["vocab_size"]),
+                                         dev, reps)
+        self.release()
+        return r
+
+    def calibrate(self) -> dict:
+        p = chain_rate(PAPER_DFLASH_TAU)
+        llm = self.llm("dflash")
+        with Scratch(llm) as s:  # the real drafter's logits for one block at context ctx
+            blocks, _, _ = draft_setup(llm, s, self.ctx)
+            logits = llm.engine.proposer.draft_logits(blocks, False).float().clone()
+        self.release()
+        gen = torch.Generator(self.device).manual_seed(self.args.seed)
+        trials = self.args.trials
+        qs = [i / 20 for i in range(21)]
+        grid = {b: [expected_tree_acceptance(logits, p, q, b, trials, gen) for q in qs]
+                for b in BUDGETS}
+        curve = grid[CALIBRATION_BUDGET]
+        q = _interpolate(qs, curve, PAPER_DDTREE_TAU)
+        return {"p": p, "q": q, "qs": qs, "mc_tau": {str(b): v for b, v in grid.items()},
+                "calibration_budget": CALIBRATION_BUDGET, "trials": trials,
+                "drafter_top1_mass": logits.softmax(-1).max(-1).values.mean().item()}
+
+    def rates(self) -> tuple[float, float]:
+        cal = self.res.get("calibrate") or self.calibrate()
+        self.res["calibrate"] = cal
+        return cal["p"], cal["q"]
+
+    def c1(self) -> dict:
+        p, q = self.rates()
+        prompts = self.prompts[: self.args.prompts]
+        self.plain_references(prompts)
+        r: dict = {"p": p, "q": q, "prompts": len(prompts)}
+        r["none"] = self.c1_rate(self.llm("none"), prompts)
+        llm = self.llm("dflash")
+        oracle = self.oracle(llm, p)
+        r["dflash"] = self.c1_rate(llm, prompts)
+        llm.engine.policy = AdaptivePolicy(BLOCK - 1)
+        r["dflash_adaptive"] = self.c1_rate(llm, prompts)
+        llm.engine.policy = FixedPolicy(BLOCK - 1)
+        r["curve_dflash"] = self.curve(llm, oracle, 0.0)
+        r["ddtree_budgets"] = {}
+        for b in BUDGETS:
+            llm = self.llm("ddtree", budget=b)
+            self.oracle(llm, p, q)
+            r["ddtree_budgets"][str(b)] = self.c1_rate(llm, prompts)
+            print(f"c1 ddtree {b}: {r['ddtree_budgets'][str(b)]}", flush=True)
+        best = max(BUDGETS, key=lambda b: r["ddtree_budgets"][str(b)]["tokens_per_s"])
+        r["best_budget"] = best
+        llm = self.llm("ddtree", budget=best, topk_cap=self.args.topk_cap)
+        oracle = self.oracle(llm, p, q)
+        r["ddtree_topk_cap"] = {"topk_cap": self.args.topk_cap, **self.c1_rate(llm, prompts)}
+        r["curve_ddtree"] = self.curve(llm, oracle, q)
+        llm.engine.policy = AdaptivePolicy(best)
+        r["ddtree_adaptive"] = self.c1_rate(llm, prompts)
+        self.release()
+        return r
+
+    def curve(self, llm: LLM, oracle: AcceptanceOracle, q: float) -> list[dict]:
+        """Tokens/s at concurrency 1 for the oracle settings of CURVE_TAUS (same q)."""
+        points = []
+        for tau in CURVE_TAUS:
+            oracle.p, oracle.q = chain_rate(tau), q
+            points.append({"p": oracle.p, **self.c1_rate(llm, self.prompts[:2])})
+        return points
+
+    def profile(self) -> dict:
+        p, q = self.rates()
+        best = self.res.get("c1", {}).get("best_budget", CALIBRATION_BUDGET)
+        self.plain_references(self.prompts[:1])
+        out = {}
+        for name, kw in (("dflash", {}), ("ddtree", {"budget": best})):
+            llm = self.llm(name, **kw)
+            self.oracle(llm, p, q if name == "ddtree" else 0.0)
+            out[name] = profile_steps(llm, self.prompts[0], self.args.skip,
+                                      self.args.skip + self.args.tokens, self.device)
+        self.release()
+        return out
+
+    def sweep(self) -> dict:
+        p, q = self.rates()
+        best = self.args.sweep_budget or min(
+            self.res.get("c1", {}).get("best_budget", CALIBRATION_BUDGET), 63)
+        levels = [c for c in (1, 2, 4, 8, 16, 32, 64, 128, 256) if c <= self.args.max_concurrency]
+        self.plain_references(self.prompts[: max(levels)])
+        r: dict = {"p": p, "q": q, "ddtree_budget": best, "levels": levels,
+                   "tokens": self.args.sweep_tokens, "rounds": self.args.rounds, "rows": {}}
+        configs = [("none", None, None), ("dflash", BLOCK - 1, 0.0), ("ddtree", best, q)]
+        for spec, budget, rate_q in configs:
+            llm = self.llm(spec, budget=budget, max_num_seqs=max(levels))
+            policies = {"none": None} if spec == "none" else {
+                f"{spec}:fixed": FixedPolicy(budget), f"{spec}": AdaptivePolicy(budget)}
+            if spec != "none":
+                self.oracle(llm, p, rate_q)
+            for name, policy in policies.items():
+                if policy is not None:
+                    llm.engine.policy = policy
+                rows = r["rows"][name] = []
+                for c in levels:
+                    runs = [self.decode(llm, self.prompts[:c], self.args.sweep_tokens)
+                            for _ in range(self.args.rounds)]
+                    rows.append({"concurrency": c, "runs": runs})
+                    print(f"sweep {name} c={c}: "
+                          f"{[round(x['tokens_per_s']) for x in runs]} tok/s", flush=True)
+        self.release()
+        return r
+
+    def pair(self) -> dict:
+        self.release()
+        target = resolve_model_path(self.args.default_model)
+        prompts, source = pair_prompts(target, self.args.pair_prompts)
+        r: dict = {"prompts": source, "num_prompts": len(prompts), "tokens": 128}
+        for spec in ("none", "dflash", "ddtree"):
+            kw = {} if spec == "none" else dict(draft=str(DEFAULT_DRAFTER_DIR), spec=spec,
+                                                spec_policy="fixed")
+            llm = LLM(model=str(target), device=self.args.device, skip_tokenizer_init=True,
+                      max_num_seqs=1, max_model_len=max(map(len, prompts)) + 200,
+                      enforce_eager=self.args.enforce_eager, **kw)
+            try:
+                run = e2e_flashtree(llm, prompts, 128)
+                r[spec] = {k: run[k] for k in ("tokens_per_s", "mean_accept")}
+            finally:
+                llm.shutdown()
+                del llm
+                empty_cache(self.device)
+        return r
+
+
+def profile_steps(llm: LLM, prompt: list[int], skip: int, max_tokens: int,
+                  device: torch.device, steps: int = 8) -> dict:
+    """Engine steps of one request under the profiler: wall time, the share of it the GPU is
+    busy (union of kernel and copy intervals), device-to-host copies, the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    seq = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                 ignore_eos=True))
+    while len(seq.output_ids) < skip:
+        eng.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    before = len(seq.output_ids)
+    with profile(activities=acts) as prof:
+        sync(device)
+        start = time.perf_counter()
+        done = 0
+        while done < steps and not seq.is_finished:
+            eng.step()
+            done += 1
+        sync(device)
+        wall = time.perf_counter() - start
+    committed = len(seq.output_ids) - before
+    eng.abort(seq)
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in gpu)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # union of intervals, microseconds
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    reads = sum(1 for e in gpu if "DtoH" in e.name or "Device -> Pageable" in e.name
+                or "Device -> Pinned" in e.name)
+    table: dict[str, list] = {}
+    for e in gpu:
+        row = table.setdefault(e.name[:60], [0.0, 0])
+        row[0] += (e.time_range.end - e.time_range.start) / 1e3 / done
+        row[1] += 1
+    top = sorted(table.items(), key=lambda kv: -kv[1][0])[:12]
+    return {"steps": done, "wall_ms_per_step": wall * 1e3 / done,
+            "gpu_busy_ms_per_step": busy / 1e3 / done,
+            "gpu_busy": busy / 1e6 / wall if device.type == "cuda" else None,
+            "device_reads_per_step": reads / done, "tokens_per_step": committed / done,
+            "top_kernels": [(name, ms, n / done) for name, (ms, n) in top]}
+
+
+def _interpolate(xs: list[float], ys: list[float], y: float) -> float:
+    """x where the increasing-ish curve ys(xs) reaches y (clamped to the ends)."""
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if y0 <= y <= y1 and y1 > y0:
+            return x0 + (x1 - x0) * (y - y0) / (y1 - y0)
+    return xs[-1] if y > max(ys) else xs[0]
+
+
+# ------------------------------------------------------------------------------- summary
+def summary(res: dict) -> dict:
+    """The issue's keys from the sections present."""
+    out: dict = {}
+    st, c1, prof, sw = (res.get(k) for k in ("steps", "c1", "profile", "sweep"))
+    if st:
+        out.update(draft_over_ar_step=st["draft_ms"] / st["ar_ms"],
+                   verify16_over_ar_step=st["verify16_ms"] / st["ar_ms"],
+                   verify64_over_ar_step=st["verify64_ms"] / st["ar_ms"],
+                   ar_step_over_floor=st["ar_ms"] / st["floor_ms"],
+                   ar_speed_over_compiled_peer=st["peer_ms"] / st["ar_ms"])
+    if c1:
+        best = c1["ddtree_budgets"][str(c1["best_budget"])]
+        none, dflash = c1["none"]["tokens_per_s"], c1["dflash"]["tokens_per_s"]
+        out.update(dflash_over_none_c1=dflash / none,
+                   ddtree_over_none_c1=best["tokens_per_s"] / none,
+                   ddtree_over_dflash_c1=best["tokens_per_s"] / dflash,
+                   measured_tau_dflash=c1["dflash"]["tau"], measured_tau_ddtree=best["tau"])
+    if prof:
+        spec = prof["ddtree"]
+        out.update(gpu_busy_spec_step=spec["gpu_busy"],
+                   device_reads_per_spec_step=max(p["device_reads_per_step"]
+                                                  for p in prof.values()))
+    if sw:
+        rate = {name: [_mean(row["runs"]) for row in rows] for name, rows in sw["rows"].items()}
+        spec_over_none, adaptive_over_fixed = [], []
+        for spec in ("dflash", "ddtree"):
+            for i, none in enumerate(rate["none"]):
+                spec_over_none.append(rate[spec][i] / none)
+                adaptive_over_fixed.append(rate[spec][i] / max(none, rate[f"{spec}:fixed"][i]))
+        out.update(min_spec_over_none=min(spec_over_none),
+                   min_adaptive_over_best_fixed=min(adaptive_over_fixed))
+    return out
+
+
+def _mean(runs: list[dict]) -> float:
+    return sum(r["tokens_per_s"] for r in runs) / len(runs)
+
+
+def report(res: dict) -> str:
+    keys = res.get("summary", {})
+    lines = ["# Speed at real acceptance: the acceptance oracle on a Qwen3-8B-shaped target", "",
+             f"Machine: {res.get('machine')}. Commands: " + "; ".join(
+                 f"`{c}`" for c in res.get("commands", [])), "",
+             "Random-weight target (36 layers, hidden 4096, vocab 151,936, bf16) and 5-layer "
+             "block-16 DFlash drafter built on the GPU; context 1k; greedy; tokens/s are "
+             "decode-phase rates; ratios are from one run each.", ""]
+    cal = res.get("calibrate")
+    if cal:
+        lines += [f"Oracle settings: **paper-DFlash** P = {cal['p']:.4f} (chain acceptance "
+                  f"6.6 at block 16); **paper-DDTree** the same P with Q = {cal['q']:.3f} "
+                  f"(Monte Carlo over the drafter's own logits: the {cal['calibration_budget']}"
+                  f"-node tree accepts {PAPER_DDTREE_TAU}). The drafter's top token holds "
+                  f"{cal['drafter_top1_mass']:.0%} of its mass on average.", ""]
+    lines += ["| key | value | goal | met |", "|---|---|---|---|"]
+    for key, op, goal in GOALS:
+        if key in keys and keys[key] is not None:
+            v = keys[key]
+            met = v >= goal if op == ">=" else v <= goal if op == "<=" else v > goal
+            lines.append(f"| `{key}` | {v:.3f} | {op} {goal} | {'yes' if met else '**no**'} |")
+    for key in ("measured_tau_dflash", "measured_tau_ddtree"):
+        if key in keys:
+            lines.append(f"| `{key}` | {keys[key]:.2f} | | |")
+    lines.append("")
+    lines += _c1_lines(res.get("c1")) + _profile_lines(res.get("profile"))
+    lines += _sweep_lines(res.get("sweep")) + _pair_lines(res.get("pair"))
+    for section, error in res.get("errors", {}).items():
+        lines += [f"## {section}: failed", "", "```", error[-3000:], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _c1_lines(c1: dict | None) -> list[str]:
+    if not c1:
+        return []
+    none = c1["none"]["tokens_per_s"]
+    rows = [("none", c1["none"]), ("DFlash (fixed)", c1["dflash"]),
+            ("DFlash (adaptive)", c1["dflash_adaptive"])]
+    rows += [(f"DDTree budget {b}", v) for b, v in c1["ddtree_budgets"].items()]
+    rows += [(f"DDTree budget {c1['best_budget']}, topk_cap {c1['ddtree_topk_cap']['topk_cap']}",
+              c1["ddtree_topk_cap"]),
+             (f"DDTree budget {c1['best_budget']} (adaptive)", c1["ddtree_adaptive"])]
+    lines = [f"## Concurrency 1 ({c1['prompts']} prompts one after another)", "",
+             "| method | tokens/s | x none | tokens/step | equal to plain |",
+             "|---|---|---|---|---|"]
+    for name, v in rows:
+        eq = "-" if v.get("equal_to_plain") is None else f"{v['equal_to_plain']:.0%}"
+        lines.append(f"| {name} | {v['tokens_per_s']:.1f} | {v['tokens_per_s'] / none:.2f} | "
+                     f"{v['tau']:.2f} | {eq} |")
+    return lines + ["", f"Best DDTree budget: {c1['best_budget']}.", ""]
+
+
+def _profile_lines(prof: dict | None) -> list[str]:
+    if not prof:
+        return []
+    lines = ["## One speculative step at concurrency 1 (profiler)", ""]
+    for name, p in prof.items():
+        busy = "-" if p["gpu_busy"] is None else f"{p['gpu_busy']:.0%}"
+        lines += [f"**{name}**: {p['wall_ms_per_step']:.2f} ms wall per step, GPU busy "
+                  f"{p['gpu_busy_ms_per_step']:.2f} ms ({busy}), {p['device_reads_per_step']:.1f}"
+                  f" device-to-host reads per step, {p['tokens_per_step']:.2f} tokens per step.",
+                  "", "| kernel | ms per step | calls per step |", "|---|---|---|"]
+        lines += [f"| `{k}` | {ms:.3f} | {n:.1f} |" for k, ms, n in p["top_kernels"]]
+        lines.append("")
+    return lines
+
+
+def _sweep_lines(sw: dict | None) -> list[str]:
+    if not sw:
+        return []
+    names = list(sw["rows"])
+    lines = [f"## Concurrency sweep (DFlash at paper-DFlash, DDTree budget {sw['ddtree_budget']} "
+             f"at paper-DDTree; {sw['tokens']} timed tokens per request, {sw['rounds']} rounds: "
+             "mean [min-max] tokens/s)", "",
+             "| concurrency | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for i, c in enumerate(sw["levels"]):
+        cells = []
+        for name in names:
+            runs = [r["tokens_per_s"] for r in sw["rows"][name][i]["runs"]]
+            cells.append(f"{sum(runs) / len(runs):.0f} [{min(runs):.0f}-{max(runs):.0f}]")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _pair_lines(pair: dict | None) -> list[str]:
+    if not pair:
+        return []
+    lines = [f"## Default pair, concurrency 1 ({pair['num_prompts']} {pair['prompts']}, "
+             f"{pair['tokens']} tokens, fixed budgets)", "", "| method | tokens/s | tokens/step |",
+             "|---|---|---|"]
+    for spec in ("none", "dflash", "ddtree"):
+        v = pair[spec]
+        lines.append(f"| {spec} | {v['tokens_per_s']:.1f} | {v['mean_accept']:.2f} |")
+    return lines + [""]
+
+
+def plot(res: dict, path: Path) -> None:
+    """Speedup over none against acceptance (chain and tree curves, papers' points) and
+    tokens/s against acceptance (SGLang's published B200 points)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c1 = res["c1"]
+    none = c1["none"]["tokens_per_s"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label, marker in (("curve_dflash", "flashtree DFlash chain", "o"),
+                               ("curve_ddtree", f"flashtree DDTree ({c1['best_budget']} nodes)",
+                                "s")):
+        pts = sorted((p["tau"], p["tokens_per_s"]) for p in c1[key])
+        ax.plot([t for t, _ in pts], [v / none for _, v in pts], marker=marker, label=label)
+        bx.plot([t for t, _ in pts], [v for _, v in pts], marker=marker, label=label)
+    for method, marker in (("dflash", "^"), ("ddtree", "v")):
+        for tau, speedup, source in PAPER_POINTS[method]:
+            ax.scatter([tau], [speedup], marker=marker, s=60, color="black")
+            ax.annotate(source, (tau, speedup), fontsize=7, xytext=(4, -10),
+                        textcoords="offset points")
+    for tau, rate, source in SGLANG_POINTS:
+        bx.scatter([tau], [rate], marker="*", s=90, color="black")
+        bx.annotate(source, (tau, rate), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    bx.axhline(none, color="gray", linestyle=":", label="flashtree none")
+    ax.set(xlabel="tokens per step (acceptance)", ylabel="speedup over none (tokens/s)",
+           xlim=(0, 13), ylim=(0, None),
+           title=f"Concurrency 1, {res.get('shape')}-shaped target, {res.get('machine_kind')}")
+    bx.set(xlabel="tokens per step (acceptance)", ylabel="tokens/s", xlim=(0, 13),
+           ylim=(0, None), title="Tokens/s (SGLang points: B200, real Qwen3-8B)")
+    ax.legend(fontsize=8)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--ctx", type=int, default=1024, help="prompt tokens (the context)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts at concurrency 1")
+    ap.add_argument("--skip", type=int, default=48, help="tokens per request before timing")
+    ap.add_argument("--tokens", type=int, default=256, help="timed tokens per request (c1)")
+    ap.add_argument("--sweep-tokens", type=int, default=128)
+    ap.add_argument("--max-concurrency", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sweep-budget", type=int, help="DDTree budget of the sweep (default: "
+                    "the best at concurrency 1, at most 63: a 256-request batch of bigger "
+                    "trees verifies more tokens than a prefill chunk)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--copy-mib", type=int, default=2048)
+    ap.add_argument("--trials", type=int, default=256, help="Monte Carlo trials per setting")
+    ap.add_argument("--topk-cap", type=int, default=16, help="topk_cap tried at the best budget")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--default-model", default="default", help="the pair section's target")
+    ap.add_argument("--pair-prompts", type=int, default=8)
+    ap.add_argument("--out", type=Path,
+                    default=ROOT / "benchmarks" / "results" /
+                    f"{datetime.date.today()}-oracle-gpu.json")
+    ap.add_argument("--plot", type=Path, help="draw the plot of this JSON and exit")
+    args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
+    res = json.loads(args.out.read_text()) if args.out.exists() else {}
+    name = (torch.cuda.get_device_name(0) if args.device.startswith("cuda")
+            else platform.processor() or "CPU")
+    res["machine"] = f"{name}, torch {torch.__version__}, Python {platform.python_version()}"
+    res.update(machine_kind=name, shape=args.shape)
+    res.setdefault("commands", []).append("python benchmarks/oracle_bench.py "
+                                          + " ".join(sys.argv[1:]))
+    bench = Bench(args, res)
+    for section in args.sections.split(","):
+        t = time.time()
+        try:
+            res[section] = getattr(bench, section)()
+            res.get("errors", {}).pop(section, None)
+        except Exception:  # noqa: BLE001 - the report names the failure; the rest still run
+            bench.release()
+            res.setdefault("errors", {})[section] = traceback.format_exc()
+            print(traceback.format_exc(), flush=True)
+        print(f"[{section}: {time.time() - t:.0f} s]", flush=True)
+        res["summary"] = summary(res)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**res, **res["summary"]}, indent=1, default=str))
+        args.out.with_suffix(".md").write_text(report(res))
+    print(report(res))
+
+
+if __name__ == "__main__":
+    main()
