@@ -23,38 +23,39 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-class CompiledPeer:
+class CompiledPeer(torch.nn.Module):
     """Decode steps of `model` for `batch` sequences whose KV cache holds `ctx` positions
-    (random values: the step's cost does not depend on them)."""
+    (random values: the step's cost does not depend on them). The caches are buffers, as in
+    gpt-fast, so the compiled step may write them and still replay as a CUDA graph."""
 
     def __init__(self, model, cfg, batch: int, ctx: int, max_len: int) -> None:
-        self.model, self.cfg, self.batch = model, cfg, batch
+        super().__init__()
+        self.model, self.batch = model, batch  # the flashtree model, weights shared
         weight = model.embed_tokens.weight
-        self.device, self.dtype = weight.device, weight.dtype
+        device, dtype = weight.device, weight.dtype
         self.heads, self.kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim, self.eps = cfg.head_dim, cfg.rms_norm_eps
         shape = (batch, self.kv_heads, max_len, self.head_dim)
-        self.caches = [(torch.randn(shape, device=self.device, dtype=self.dtype),
-                        torch.randn(shape, device=self.device, dtype=self.dtype))
-                       for _ in model.layers]
-        inv = 1.0 / (cfg.rope.theta ** (torch.arange(0, self.head_dim, 2, device=self.device)
+        for i in range(len(model.layers)):
+            self.register_buffer(f"k{i}", torch.randn(shape, device=device, dtype=dtype))
+            self.register_buffer(f"v{i}", torch.randn(shape, device=device, dtype=dtype))
+        inv = 1.0 / (cfg.rope.theta ** (torch.arange(0, self.head_dim, 2, device=device)
                                         .float() / self.head_dim))
-        angles = torch.outer(torch.arange(max_len, device=self.device).float(), inv)
-        self.cos = torch.cat([angles.cos()] * 2, dim=-1)  # [max_len, D]
-        self.sin = torch.cat([angles.sin()] * 2, dim=-1)
-        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-        self.pos = torch.full((1,), ctx, dtype=torch.long, device=self.device)
-        self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True)
+        angles = torch.outer(torch.arange(max_len, device=device).float(), inv)
+        self.register_buffer("cos", torch.cat([angles.cos()] * 2, dim=-1))  # [max_len, D]
+        self.register_buffer("sin", torch.cat([angles.sin()] * 2, dim=-1))
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.full((1,), ctx, dtype=torch.long, device=device)
+        self.step = torch.compile(self.forward, mode="reduce-overhead", fullgraph=True)
 
-    def _step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         m, b = self.model, self.batch
         x = F.embedding(tokens, m.embed_tokens.weight)  # [B, 1, hidden]
         cos, sin = self.cos[pos].view(1, 1, 1, -1), self.sin[pos].view(1, 1, 1, -1)
-        mask = (torch.arange(self.caches[0][0].shape[2], device=pos.device) <= pos)[None, None,
-                                                                                       None]
+        mask = (torch.arange(self.cos.shape[0], device=pos.device) <= pos)[None, None, None]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        for layer, (k_cache, v_cache) in zip(m.layers, self.caches):
-            attn = layer.self_attn
+        for i, layer in enumerate(m.layers):
+            attn, k_cache, v_cache = layer.self_attn, getattr(self, f"k{i}"), getattr(self, f"v{i}")
             h = _rms(x, layer.input_layernorm.weight, self.eps)
             qkv = F.linear(h, attn.qkv_proj.weight)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -73,5 +74,6 @@ class CompiledPeer:
         x = _rms(x, m.norm.weight, self.eps)
         return F.linear(x, m.lm_head.weight).argmax(dim=-1)  # [B, 1] next tokens
 
-    def __call__(self) -> torch.Tensor:
+    def decode(self) -> torch.Tensor:
+        """One compiled decode step at position ctx."""
         return self.step(self.tokens, self.pos)

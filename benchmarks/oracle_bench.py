@@ -34,6 +34,7 @@ import random
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -96,8 +97,8 @@ def chain_rate(tau: float, block: int = BLOCK) -> float:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, res: dict) -> None:
-        self.args, self.res = args, res
+    def __init__(self, args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
+        self.args, self.res, self.save = args, res, save
         self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
         self.shape = SHAPES[args.shape]
         self.ctx = args.ctx
@@ -204,12 +205,12 @@ class Bench:
         self.release()
         peer = CompiledPeer(self.target, self.cfg, 1, ctx, ctx + 64)
         t = time.time()
-        peer()
+        peer.decode()
         r["peer_compile_s"] = time.time() - t
-        r["peer_ms"] = median_ms(peer, dev, reps, warmup=5)
+        r["peer_ms"] = median_ms(peer.decode, dev, reps, warmup=5)
         del peer
         empty_cache(dev)
-        llm = self.llm("dflash")
+        llm = self.llm("dflash", max_num_seqs=2)
         gen = random.Random(1)
         with Scratch(llm) as s:
             sid = s.take(1, ctx, BLOCK)[0]
@@ -309,6 +310,7 @@ class Bench:
         self.plain_references(self.prompts[: max(levels)])
         r: dict = {"p": p, "q": q, "ddtree_budget": best, "levels": levels,
                    "tokens": self.args.sweep_tokens, "rounds": self.args.rounds, "rows": {}}
+        self.res["sweep"] = r  # saved after every row: a run cut short keeps what it measured
         configs = [("none", None, None), ("dflash", BLOCK - 1, 0.0), ("ddtree", best, q)]
         for spec, budget, rate_q in configs:
             llm = self.llm(spec, budget=budget, max_num_seqs=max(levels))
@@ -324,6 +326,7 @@ class Bench:
                     runs = [self.decode(llm, self.prompts[:c], self.args.sweep_tokens)
                             for _ in range(self.args.rounds)]
                     rows.append({"concurrency": c, "runs": runs})
+                    self.save()
                     print(f"sweep {name} c={c}: "
                           f"{[round(x['tokens_per_s']) for x in runs]} tok/s", flush=True)
         self.release()
@@ -374,6 +377,7 @@ def profile_steps(llm: LLM, prompt: list[int], skip: int, max_tokens: int,
         sync(device)
         wall = time.perf_counter() - start
     committed = len(seq.output_ids) - before
+    sites, host = _sync_sites(eng, seq, device), _host_functions(eng, seq)
     eng.abort(seq)
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = sorted((e.time_range.start, e.time_range.end) for e in gpu)
@@ -394,7 +398,54 @@ def profile_steps(llm: LLM, prompt: list[int], skip: int, max_tokens: int,
             "gpu_busy_ms_per_step": busy / 1e3 / done,
             "gpu_busy": busy / 1e6 / wall if device.type == "cuda" else None,
             "device_reads_per_step": reads / done, "tokens_per_step": committed / done,
-            "top_kernels": [(name, ms, n / done) for name, (ms, n) in top]}
+            "top_kernels": [(name, ms, n / done) for name, (ms, n) in top],
+            "sync_sites": sites, "host_functions": host}
+
+
+def _sync_sites(eng, seq, device: torch.device, steps: int = 3) -> dict[str, float]:
+    """Lines that wait for the device, with how often per step (CUDA's sync debug mode)."""
+    if device.type != "cuda":
+        return {}
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            done = 0
+            while done < steps and not seq.is_finished:
+                eng.step()
+                done += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    sites: dict[str, float] = {}
+    for w in caught:
+        key = f"{_short(w.filename)}:{w.lineno}"
+        sites[key] = sites.get(key, 0) + 1 / max(done, 1)
+    return sites
+
+
+def _short(path: str) -> str:
+    """A source path without the machine's folders."""
+    return path.rpartition("flashtree/")[2] if "flashtree/" in path else Path(path).name
+
+
+def _host_functions(eng, seq, steps: int = 8) -> list[tuple[str, float, float]]:
+    """cProfile of engine steps: the functions holding the host longest, as (function, own
+    ms per step, ms per step with callees); waits for the device show as `tolist`."""
+    import cProfile
+    import pstats
+
+    prof, done = cProfile.Profile(), 0
+    prof.enable()
+    while done < steps and not seq.is_finished:
+        eng.step()
+        done += 1
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tt, ct, callers)
+    rows = [(f"{_short(f)}:{line}({name})", tt * 1e3 / max(done, 1),
+             ct * 1e3 / max(done, 1)) for (f, line, name), (_, _, tt, ct, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r[1])[:12]
 
 
 def _interpolate(xs: list[float], ys: list[float], y: float) -> float:
@@ -432,11 +483,13 @@ def summary(res: dict) -> dict:
         rate = {name: [_mean(row["runs"]) for row in rows] for name, rows in sw["rows"].items()}
         spec_over_none, adaptive_over_fixed = [], []
         for spec in ("dflash", "ddtree"):
-            for i, none in enumerate(rate["none"]):
-                spec_over_none.append(rate[spec][i] / none)
-                adaptive_over_fixed.append(rate[spec][i] / max(none, rate[f"{spec}:fixed"][i]))
-        out.update(min_spec_over_none=min(spec_over_none),
-                   min_adaptive_over_best_fixed=min(adaptive_over_fixed))
+            for none, adaptive, fixed in zip(rate.get("none", []), rate.get(spec, []),
+                                             rate.get(f"{spec}:fixed", [])):
+                spec_over_none.append(adaptive / none)
+                adaptive_over_fixed.append(adaptive / max(none, fixed))
+        if spec_over_none:
+            out.update(min_spec_over_none=min(spec_over_none),
+                       min_adaptive_over_best_fixed=min(adaptive_over_fixed))
     return out
 
 
@@ -507,6 +560,11 @@ def _profile_lines(prof: dict | None) -> list[str]:
                   f" device-to-host reads per step, {p['tokens_per_step']:.2f} tokens per step.",
                   "", "| kernel | ms per step | calls per step |", "|---|---|---|"]
         lines += [f"| `{k}` | {ms:.3f} | {n:.1f} |" for k, ms, n in p["top_kernels"]]
+        lines += ["", "Device reads by line (per step): " + (", ".join(
+            f"`{k}` {v:.1f}" for k, v in p.get("sync_sites", {}).items()) or "none"), "",
+            "| host function (cProfile) | own ms per step | with callees |", "|---|---|---|"]
+        lines += [f"| `{k}` | {own:.3f} | {cum:.3f} |" for k, own, cum in p.get("host_functions",
+                                                                                  [])]
         lines.append("")
     return lines
 
@@ -522,6 +580,9 @@ def _sweep_lines(sw: dict | None) -> list[str]:
     for i, c in enumerate(sw["levels"]):
         cells = []
         for name in names:
+            if i >= len(sw["rows"][name]):
+                cells.append("-")
+                continue
             runs = [r["tokens_per_s"] for r in sw["rows"][name][i]["runs"]]
             cells.append(f"{sum(runs) / len(runs):.0f} [{min(runs):.0f}-{max(runs):.0f}]")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
@@ -616,7 +677,14 @@ def main() -> None:
     res.update(machine_kind=name, shape=args.shape)
     res.setdefault("commands", []).append("python benchmarks/oracle_bench.py "
                                           + " ".join(sys.argv[1:]))
-    bench = Bench(args, res)
+
+    def save() -> None:
+        res["summary"] = summary(res)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**res, **res["summary"]}, indent=1, default=str))
+        args.out.with_suffix(".md").write_text(report(res))
+
+    bench = Bench(args, res, save)
     for section in args.sections.split(","):
         t = time.time()
         try:
@@ -627,10 +695,7 @@ def main() -> None:
             res.setdefault("errors", {})[section] = traceback.format_exc()
             print(traceback.format_exc(), flush=True)
         print(f"[{section}: {time.time() - t:.0f} s]", flush=True)
-        res["summary"] = summary(res)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**res, **res["summary"]}, indent=1, default=str))
-        args.out.with_suffix(".md").write_text(report(res))
+        save()
     print(report(res))
 
 

@@ -44,7 +44,9 @@ class AttentionMetadata:
         assert self.query_start.shape == (n + 1,), (
             f"query_start {tuple(self.query_start.shape)} vs {n} sequences"
         )
-        assert self.padded or self.slot_mapping.shape[0] == int(self.query_start[-1]), (
+        # Checked off the GPU only: reading a device tensor would wait for the device.
+        assert (self.padded or self.query_start.is_cuda
+                or self.slot_mapping.shape[0] == int(self.query_start[-1])), (
             f"slot_mapping has {self.slot_mapping.shape[0]} rows for {int(self.query_start[-1])} "
             "new tokens"
         )

@@ -30,13 +30,13 @@ class Planned:
 
 @dataclass
 class TreeBatch:
-    """DDTree candidates of every request of a greedy step, kept on the device (N = budget + 1
-    nodes, root first, topological order)."""
+    """Candidates of every request of a greedy step, kept on the device: DDTrees (N = budget + 1
+    nodes, root first, topological order) or DFlash chains (N = block size, `visible` None)."""
 
     tokens: torch.Tensor  # [R, N] int64
     parent: torch.Tensor  # [R, N] int64
     depth: torch.Tensor  # [R, N] int64
-    visible: torch.Tensor  # [R, N, N] bool
+    visible: torch.Tensor | None  # [R, N, N] bool; None: causal chains
 
 
 def _tree_nodes(top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor, *,
@@ -121,6 +121,10 @@ class CandidatePlanner:
         rows: dict[int, torch.Tensor] = {}  # seq_id -> [b - 1, V] draft logits
         chains: dict[int, list[int]] = {}  # seq_id -> the b - 1 argmax drafts (DFlash)
         if logits is not None:
+            if (cfg.method == "dflash" and len(drafted) == len(seqs)
+                    and all(b == cfg.block_size for b in sizes)
+                    and all(s.params.argmax_only for s in seqs)):
+                return self._chain_batch(seqs, logits)
             argmax = None
             if cfg.method == "dflash":  # one device sync for the batch
                 argmax = (logits.argmax(dim=-1) if full
@@ -149,6 +153,17 @@ class CandidatePlanner:
             if batch is not None:
                 return batch
         return [p for p in plans if p is not None]
+
+    def _chain_batch(self, seqs: list[Sequence], logits: torch.Tensor) -> TreeBatch:
+        """Greedy DFlash chains of whole blocks on the device: each request's bonus token and
+        the argmax of its draft slots, verified without a host read in between."""
+        r, n = len(seqs), self.cfg.block_size
+        device = logits.device
+        drafts = vocab_argmax(logits, self._vocab_start).view(r, n - 1)
+        roots = to_device([s.last_token for s in seqs], device)
+        depth = torch.arange(n, device=device).expand(r, n)
+        return TreeBatch(torch.cat([roots[:, None], drafts], 1), (depth - 1).clamp_min(0),
+                         depth, None)
 
     def _plan_trees(self, seqs: list[Sequence], trees: list[int],
                     rows: dict[int, torch.Tensor], full: bool,

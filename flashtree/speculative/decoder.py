@@ -34,9 +34,7 @@ class SpeculativeDecoder:
         self.cache, self.pages = cache, pages
         self.stats = SpecStats()
         self.planner = CandidatePlanner(cfg, proposer, runner)
-        self.tree_verifier = None
-        if cfg.method == "ddtree":
-            self.tree_verifier = TreeBatchVerifier(runner, cache, proposer, cfg.tree_budget + 1)
+        self.tree_verifier = TreeBatchVerifier(runner, cache, proposer, cfg.max_budget + 1)
 
     def step(self, seqs: list[Sequence]) -> list[Verified]:
         """Returns what each request commits (accepted drafts + the target's next one) and how
@@ -45,7 +43,6 @@ class SpeculativeDecoder:
         self.proposer.flush()
         plans = self.planner.plan(seqs)
         if isinstance(plans, TreeBatch):
-            assert self.tree_verifier is not None
             walks = self.tree_verifier.verify(seqs, plans)
             sizes = [plans.tokens.shape[1]] * len(seqs)
         else:

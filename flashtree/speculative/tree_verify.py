@@ -1,5 +1,6 @@
-"""Verification of a greedy DDTree step whose trees stay on the device (`TreeBatch`): one
-target forward over every request's tree, the greedy walks, and the commit of the accepted
+"""Verification of a greedy step whose candidates stay on the device (`TreeBatch`: DDTrees or
+DFlash chains): one target forward over every request's candidates, the greedy walks, and the
+commit of the accepted
 nodes (their target KV moved into place, their features injected into the draft cache) all
 queued before the step's one device read, which then only tells the host what was committed.
 The walk and the commit's index arithmetic (~30 small kernels) replay from CUDA graphs per
@@ -69,8 +70,11 @@ class TreeBatchVerifier:
         r, n = trees.tokens.shape
         device = trees.tokens.device
         starts = to_device([s.num_computed for s in seqs], device)
-        items = [BatchItem(s.seq_id, s.num_computed, [0] * n, all_logits=True, positions=[0] * n,
-                           visible=trees.visible[i]) for i, s in enumerate(seqs)]
+        chains = trees.visible is None
+        items = [BatchItem(s.seq_id, s.num_computed, [0] * n, all_logits=True,
+                           positions=None if chains else [0] * n,
+                           visible=None if chains else trees.visible[i])
+                 for i, s in enumerate(seqs)]
         logits, features = self.runner.forward(
             Mode.VERIFY, items, gather_logits=False,
             device_inputs=(trees.tokens.flatten(), (starts[:, None] + trees.depth).flatten()))
