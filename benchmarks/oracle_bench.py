@@ -59,6 +59,7 @@ from benchmarks.gpu_bench import (  # noqa: E402
 from flashtree import LLM, SamplingParams  # noqa: E402
 from flashtree.bench.oracle import AcceptanceOracle, expected_tree_acceptance  # noqa: E402
 from flashtree.bench.random_pair import SHAPES, random_drafter, random_target, top2_gaps  # noqa
+from flashtree.config import DEFAULT_TOPK_CAP  # noqa: E402
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR, resolve_model_path  # noqa: E402
 from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
 from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy  # noqa: E402
@@ -238,8 +239,8 @@ class Bench:
         gen = torch.Generator(self.device).manual_seed(self.args.seed)
         trials = self.args.trials
         qs = [i / 20 for i in range(21)]
-        grid = {b: [expected_tree_acceptance(logits, p, q, b, trials, gen) for q in qs]
-                for b in BUDGETS}
+        grid = {b: [expected_tree_acceptance(logits, p, q, b, trials, gen, DEFAULT_TOPK_CAP)
+                    for q in qs] for b in BUDGETS}
         curve = grid[CALIBRATION_BUDGET]
         q = _interpolate(qs, curve, PAPER_DDTREE_TAU)
         return {"p": p, "q": q, "qs": qs, "mc_tau": {str(b): v for b, v in grid.items()},
@@ -272,9 +273,12 @@ class Bench:
             print(f"c1 ddtree {b}: {r['ddtree_budgets'][str(b)]}", flush=True)
         best = max(BUDGETS, key=lambda b: r["ddtree_budgets"][str(b)]["tokens_per_s"])
         r["best_budget"] = best
-        llm = self.llm("ddtree", budget=best, topk_cap=self.args.topk_cap)
+        cap = self.args.topk_cap or best
+        llm = self.llm("ddtree", budget=best, topk_cap=cap)
+        self.oracle(llm, p, q)
+        r["ddtree_topk_cap"] = {"topk_cap": cap, **self.c1_rate(llm, prompts)}
+        llm = self.llm("ddtree", budget=best)
         oracle = self.oracle(llm, p, q)
-        r["ddtree_topk_cap"] = {"topk_cap": self.args.topk_cap, **self.c1_rate(llm, prompts)}
         r["curve_ddtree"] = self.curve(llm, oracle, q)
         llm.engine.policy = AdaptivePolicy(best)
         r["ddtree_adaptive"] = self.c1_rate(llm, prompts)
@@ -313,6 +317,8 @@ class Bench:
         self.res["sweep"] = r  # saved after every row: a run cut short keeps what it measured
         configs = [("none", None, None), ("dflash", BLOCK - 1, 0.0), ("ddtree", best, q)]
         for spec, budget, rate_q in configs:
+            if spec not in self.args.sweep_methods.split(","):
+                continue
             llm = self.llm(spec, budget=budget, max_num_seqs=max(levels))
             policies = {"none": None} if spec == "none" else {
                 f"{spec}:fixed": FixedPolicy(budget), f"{spec}": AdaptivePolicy(budget)}
@@ -329,7 +335,8 @@ class Bench:
                     self.save()
                     print(f"sweep {name} c={c}: "
                           f"{[round(x['tokens_per_s']) for x in runs]} tok/s", flush=True)
-        self.release()
+            del llm  # before the next engine sizes its KV pool from the free memory
+            self.release()
         return r
 
     def pair(self) -> dict:
@@ -523,7 +530,9 @@ def report(res: dict) -> str:
             lines.append(f"| `{key}` | {keys[key]:.2f} | | |")
     lines.append("")
     lines += _c1_lines(res.get("c1")) + _profile_lines(res.get("profile"))
-    lines += _sweep_lines(res.get("sweep")) + _pair_lines(res.get("pair"))
+    for key in sorted(k for k in res if k.startswith("sweep")):
+        lines += _sweep_lines(res[key])
+    lines += _pair_lines(res.get("pair"))
     for section, error in res.get("errors", {}).items():
         lines += [f"## {section}: failed", "", "```", error[-3000:], "```", ""]
     return "\n".join(lines) + "\n"
@@ -651,13 +660,15 @@ def main() -> None:
     ap.add_argument("--sweep-tokens", type=int, default=128)
     ap.add_argument("--max-concurrency", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sweep-methods", default="none,dflash,ddtree")
     ap.add_argument("--sweep-budget", type=int, help="DDTree budget of the sweep (default: "
                     "the best at concurrency 1, at most 63: a 256-request batch of bigger "
                     "trees verifies more tokens than a prefill chunk)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--trials", type=int, default=256, help="Monte Carlo trials per setting")
-    ap.add_argument("--topk-cap", type=int, default=16, help="topk_cap tried at the best budget")
+    ap.add_argument("--topk-cap", type=int, help="topk_cap compared with the default at the "
+                    "best budget (default: none, i.e. the budget)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--default-model", default="default", help="the pair section's target")

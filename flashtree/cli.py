@@ -23,7 +23,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=None,
                    help="DDTree non-root nodes per step (default: block size - 1)")
     p.add_argument("--topk-cap", type=int, default=None,
-                   help="DDTree: most children considered per node (speed only)")
+                   help="DDTree: most children considered per node (speed only; default 16)")
     _add_engine_args(p)
 
 

@@ -373,6 +373,12 @@ SPEC_POLICIES = ("adaptive", "fixed")
 TREE_SAMPLING_MODES = ("match", "rrs")
 
 
+# Children a DDTree considers per node unless topk_cap says otherwise: on the paper-DDTree oracle
+# (benchmarks/results/2026-12-04-oracle-gpu.md) a 63-node tree accepted as much with 16 as with
+# 63 and ran 7% faster (a smaller top-k over the vocabulary and per level).
+DEFAULT_TOPK_CAP = 16
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding with a DFlash drafter: a chain (`dflash`) or a DDTree per step."""
@@ -380,7 +386,7 @@ class SpecConfig:
     method: str  # "dflash" (chain) | "ddtree" (tree)
     block_size: int
     tree_budget: int  # DDTree non-root nodes
-    topk_cap: int | None = None  # DDTree: children considered per node
+    topk_cap: int | None = None  # DDTree: children considered per node (None: DEFAULT_TOPK_CAP)
     tree_sampling: str = "match"  # temperature > 0: sample-and-match | "rrs"
     policy: str = "adaptive"  # "adaptive": speculate where it is faster | "fixed": always
 

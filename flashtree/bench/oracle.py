@@ -2,10 +2,14 @@
 cost stays real. The drafter runs as always; then, on the device, its logits are rewritten so
 that the token the target will choose next (known from a plain greedy run of the same prompt)
 is the drafter's top-1 with probability `p` per slot, its top-2 with probability `q` of the
-rest, and ranked last otherwise (seeded draws; every other logit stays the drafter's own).
-Tree building, verification, the walk, the KV commit and the policy run unchanged."""
+rest, and ranked last otherwise (seeded draws; every other logit stays the drafter's own). As
+top-1 it holds at least probability `p` of its slot: the drafter is as sure of its right
+guesses as it is right, which is what shapes a DDTree. Tree building, verification, the walk,
+the KV commit and the policy run unchanged."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -16,13 +20,19 @@ from flashtree.speculative.tree import build_trees_from_topk, topk_logprobs
 from flashtree.transfer import to_device
 
 
-def rank_targets(logits: torch.Tensor, targets: torch.Tensor, ranks: torch.Tensor) -> None:
+def rank_targets(logits: torch.Tensor, targets: torch.Tensor, ranks: torch.Tensor,
+                 confidence: float = 0.0) -> None:
     """In place: row i's `targets[i]` becomes its top-1 (`ranks[i]` 1), its top-2 (2) or its
-    lowest logit (0); rows whose target is -1 stay as they are. logits [N, V]; targets, ranks
-    [N] int64 on the logits' device. Device ops only: no host sync inside a draft step."""
+    lowest logit (0); rows whose target is -1 stay as they are. A top-1 target holds at least
+    `confidence` of its row's probability (a drafter as sure of its right guesses as it is
+    right: DDTree's tree follows these probabilities). logits [N, V]; targets, ranks [N] int64
+    on the logits' device. Device ops only: no host sync inside a draft step."""
     token = targets.clamp_min(0)[:, None]
-    others = logits.scatter(1, token, float("-inf")).topk(2, dim=1).values  # [N, 2]
-    value = torch.where(ranks == 1, others[:, 0] + 1,
+    rest = logits.scatter(1, token, float("-inf"))
+    others = rest.topk(2, dim=1).values  # [N, 2]
+    odds = math.log(min(confidence, 0.999) / (1 - min(confidence, 0.999))) if confidence else 0
+    sure = torch.logsumexp(rest, dim=1) + odds  # the target's logit at that share of the mass
+    value = torch.where(ranks == 1, torch.maximum(others[:, 0] + 1, sure),
                         torch.where(ranks == 2, (others[:, 0] + others[:, 1]) / 2,
                                     logits.min(dim=1).values - 1))
     value = torch.where(targets >= 0, value, logits.gather(1, token)[:, 0])  # -1: unchanged
@@ -59,7 +69,7 @@ class AcceptanceOracle:
         device = logits.device
         ranks = oracle_ranks(len(targets), self.p, self.q, self.generator)
         with torch.inference_mode():  # the drafter's logits are inference tensors
-            rank_targets(logits, to_device(targets, device), ranks)
+            rank_targets(logits, to_device(targets, device), ranks, self.p)
         return logits
 
 
@@ -93,7 +103,7 @@ def expected_tree_acceptance(draft_logits: torch.Tensor, p: float, q: float, bud
     device = draft_logits.device
     targets = torch.randint(0, vocab, (trials, slots), generator=generator, device=device)
     logits = draft_logits.float().expand(trials, -1, -1).reshape(-1, vocab).clone()
-    rank_targets(logits, targets.reshape(-1), oracle_ranks(logits.shape[0], p, q, generator))
+    rank_targets(logits, targets.reshape(-1), oracle_ranks(logits.shape[0], p, q, generator), p)
     accepted = tree_acceptance(logits.view(trials, slots, vocab), targets, budget, topk)
     return accepted.double().mean().item()
 

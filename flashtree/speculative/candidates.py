@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtree.config import SpecConfig
+from flashtree.config import DEFAULT_TOPK_CAP, SpecConfig
 from flashtree.distributed.vocab import vocab_argmax, vocab_topk_logprobs
 from flashtree.graphs.rows import RowGraphs
 from flashtree.runner.model_runner import ModelRunner
@@ -77,7 +77,7 @@ class CandidatePlanner:
         self.cfg, self.proposer = cfg, proposer
         lm_head = runner.model.lm_head
         self._vocab_start, self._vocab_size = lm_head.vocab_start, lm_head.vocab_size
-        self._topk = min(cfg.tree_budget, self._vocab_size, cfg.topk_cap or self._vocab_size)
+        self._topk = min(cfg.tree_budget, self._vocab_size, cfg.topk_cap or DEFAULT_TOPK_CAP)
         # The DDTree build (~100 small kernels) replays CUDA graphs per batch bucket where the
         # target's forwards do.
         graphs = runner.graphs

@@ -142,3 +142,13 @@ def test_bench_oracle_refuses_sampling(tiny_chat_model, tmp_path):
          str(drafter), "--spec", "dflash", "--oracle", "0.9", "--temperature", "0.7",
          "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "--oracle needs --temperature 0" in run.stderr
+
+
+def test_a_top1_target_holds_at_least_the_confidence():
+    logits = torch.zeros(3, 50)  # flat rows: +1 over the rest would hold only e / (e + 49)
+    targets, ranks = torch.tensor([4, 5, 6]), torch.tensor([1, 1, 2])
+    rank_targets(logits, targets, ranks, confidence=0.86)
+    probs = logits.softmax(-1)
+    assert probs[0, 4] == pytest.approx(0.86, abs=1e-4) and probs[1, 5] == pytest.approx(0.86,
+                                                                                     abs=1e-4)
+    assert probs[2, 6] < 0.05  # a second choice keeps the drafter's own scale
