@@ -287,10 +287,11 @@ class Bench:
 
     def curve(self, llm: LLM, oracle: AcceptanceOracle, q: float) -> list[dict]:
         """Tokens/s at concurrency 1 for the oracle settings of CURVE_TAUS (same q)."""
-        points = []
+        points, rates = [], (oracle.p, oracle.q)
         for tau in CURVE_TAUS:
             oracle.p, oracle.q = chain_rate(tau), q
             points.append({"p": oracle.p, **self.c1_rate(llm, self.prompts[:2])})
+        oracle.p, oracle.q = rates
         return points
 
     def profile(self) -> dict:
@@ -362,8 +363,9 @@ class Bench:
 
 def profile_steps(llm: LLM, prompt: list[int], skip: int, max_tokens: int,
                   device: torch.device, steps: int = 8) -> dict:
-    """Engine steps of one request under the profiler: wall time, the share of it the GPU is
-    busy (union of kernel and copy intervals), device-to-host copies, the top kernels."""
+    """Engine steps of one request: wall time (unprofiled), the share of it the GPU is busy
+    (union of kernel and copy intervals of as many profiled steps, against the unprofiled
+    wall: the profiler slows the host), device-to-host copies, the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.engine
@@ -373,16 +375,19 @@ def profile_steps(llm: LLM, prompt: list[int], skip: int, max_tokens: int,
         eng.step()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
+    start, timed = time.perf_counter(), 0
+    while timed < steps and not seq.is_finished:
+        eng.step()
+        timed += 1
+    sync(device)
+    wall = time.perf_counter() - start
     before = len(seq.output_ids)
     with profile(activities=acts) as prof:
-        sync(device)
-        start = time.perf_counter()
         done = 0
         while done < steps and not seq.is_finished:
             eng.step()
             done += 1
         sync(device)
-        wall = time.perf_counter() - start
     committed = len(seq.output_ids) - before
     sites, host = _sync_sites(eng, seq, device), _host_functions(eng, seq)
     eng.abort(seq)
@@ -401,9 +406,9 @@ def profile_steps(llm: LLM, prompt: list[int], skip: int, max_tokens: int,
         row[0] += (e.time_range.end - e.time_range.start) / 1e3 / done
         row[1] += 1
     top = sorted(table.items(), key=lambda kv: -kv[1][0])[:12]
-    return {"steps": done, "wall_ms_per_step": wall * 1e3 / done,
-            "gpu_busy_ms_per_step": busy / 1e3 / done,
-            "gpu_busy": busy / 1e6 / wall if device.type == "cuda" else None,
+    wall_ms = wall * 1e3 / max(timed, 1)
+    return {"steps": done, "wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy / 1e3 / done,
+            "gpu_busy": busy / 1e3 / done / wall_ms if device.type == "cuda" else None,
             "device_reads_per_step": reads / done, "tokens_per_step": committed / done,
             "top_kernels": [(name, ms, n / done) for name, (ms, n) in top],
             "sync_sites": sites, "host_functions": host}
@@ -519,6 +524,7 @@ def report(res: dict) -> str:
                   f"(Monte Carlo over the drafter's own logits: the {cal['calibration_budget']}"
                   f"-node tree accepts {PAPER_DDTREE_TAU}). The drafter's top token holds "
                   f"{cal['drafter_top1_mass']:.0%} of its mass on average.", ""]
+    lines += res.get("notes", [])
     lines += ["| key | value | goal | met |", "|---|---|---|---|"]
     for key, op, goal in GOALS:
         if key in keys and keys[key] is not None:
@@ -545,9 +551,10 @@ def _c1_lines(c1: dict | None) -> list[str]:
     rows = [("none", c1["none"]), ("DFlash (fixed)", c1["dflash"]),
             ("DFlash (adaptive)", c1["dflash_adaptive"])]
     rows += [(f"DDTree budget {b}", v) for b, v in c1["ddtree_budgets"].items()]
-    rows += [(f"DDTree budget {c1['best_budget']}, topk_cap {c1['ddtree_topk_cap']['topk_cap']}",
-              c1["ddtree_topk_cap"]),
-             (f"DDTree budget {c1['best_budget']} (adaptive)", c1["ddtree_adaptive"])]
+    rows.append((f"DDTree budget {c1['best_budget']}, topk_cap "
+                 f"{c1['ddtree_topk_cap']['topk_cap']}", c1["ddtree_topk_cap"]))
+    if "ddtree_adaptive" in c1:
+        rows.append((f"DDTree budget {c1['best_budget']} (adaptive)", c1["ddtree_adaptive"]))
     lines = [f"## Concurrency 1 ({c1['prompts']} prompts one after another)", "",
              "| method | tokens/s | x none | tokens/step | equal to plain |",
              "|---|---|---|---|---|"]
@@ -637,9 +644,9 @@ def plot(res: dict, path: Path) -> None:
         bx.annotate(source, (tau, rate), fontsize=7, xytext=(4, 4), textcoords="offset points")
     bx.axhline(none, color="gray", linestyle=":", label="flashtree none")
     ax.set(xlabel="tokens per step (acceptance)", ylabel="speedup over none (tokens/s)",
-           xlim=(0, 13), ylim=(0, None),
+           xlim=(0, 14), ylim=(0, None),
            title=f"Concurrency 1, {res.get('shape')}-shaped target, {res.get('machine_kind')}")
-    bx.set(xlabel="tokens per step (acceptance)", ylabel="tokens/s", xlim=(0, 13),
+    bx.set(xlabel="tokens per step (acceptance)", ylabel="tokens/s", xlim=(0, 14),
            ylim=(0, None), title="Tokens/s (SGLang points: B200, real Qwen3-8B)")
     ax.legend(fontsize=8)
     bx.legend(fontsize=8)

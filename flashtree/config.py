@@ -373,9 +373,9 @@ SPEC_POLICIES = ("adaptive", "fixed")
 TREE_SAMPLING_MODES = ("match", "rrs")
 
 
-# Children a DDTree considers per node unless topk_cap says otherwise: on the paper-DDTree oracle
-# (benchmarks/results/2026-12-04-oracle-gpu.md) a 63-node tree accepted as much with 16 as with
-# 63 and ran 7% faster (a smaller top-k over the vocabulary and per level).
+# Children a DDTree considers per node unless topk_cap says otherwise: large trees accept as
+# much with 16 as uncapped and run faster (smaller top-k selections; measured in
+# benchmarks/results/2026-12-04-oracle-gpu.md).
 DEFAULT_TOPK_CAP = 16
 
 
