@@ -77,7 +77,7 @@ def random_drafter(target_cfg: ModelConfig, shape: dict, dtype: torch.dtype,
     """A DFlash drafter for `target_cfg` with `layers` Qwen3 layers of `shape` and five tapped
     target layers, as the Qwen3-8B drafter has. Its final norm is set so that its logits over
     the target's LM head spread with standard deviation `logit_std` (10: over a 152k vocabulary
-    its top token then holds about 65% of the mass, a confident drafter's guess)."""
+    its top token then holds 65-75% of the mass, a confident drafter's guess)."""
     n = target_cfg.num_layers
     taps = sorted({round(1 + i * (n - 3) / 4) for i in range(5)})
     cfg = DFlashConfig.from_hf({
