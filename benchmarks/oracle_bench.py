@@ -103,11 +103,7 @@ class Bench:
         self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
         self.shape = SHAPES[args.shape]
         self.ctx = args.ctx
-        t = time.time()
-        self.target, self.cfg = random_target(self.shape, self.dtype, self.device)
-        self.drafter = random_drafter(self.cfg, self.shape, self.dtype, self.device,
-                                      block_size=BLOCK)
-        self.res.setdefault("build_s", time.time() - t)
+        self._pair: tuple | None = None
         self._llm: LLM | None = None
         gen = random.Random(0)
         vocab = self.shape["vocab_size"]
@@ -116,6 +112,16 @@ class Bench:
         self.references: dict[tuple[int, ...], list[int]] = {}
 
     # --- engines ---------------------------------------------------------------------------
+    def pair_modules(self) -> tuple:
+        """(target, its config, drafter) with random weights, built on the device once."""
+        if self._pair is None:
+            t = time.time()
+            target, cfg = random_target(self.shape, self.dtype, self.device)
+            drafter = random_drafter(cfg, self.shape, self.dtype, self.device, block_size=BLOCK)
+            self._pair = target, cfg, drafter
+            self.res.setdefault("build_s", time.time() - t)
+        return self._pair
+
     def llm(self, spec: str, budget: int | None = None, max_num_seqs: int = 1,
             topk_cap: int | None = None, policy: str = "fixed") -> LLM:
         """A fresh engine over the shared weights (the previous one released first)."""
@@ -126,7 +132,7 @@ class Bench:
         # Room for the longest run plus the largest tree's speculative lookahead.
         longest = self.ctx + self.args.skip + max(self.args.tokens, self.args.sweep_tokens)
         longest += max(BUDGETS) + 64
-        self._llm = LLM.from_modules(self.target, self.cfg, self.drafter, max_num_seqs=max_num_seqs,
+        self._llm = LLM.from_modules(*self.pair_modules(), max_num_seqs=max_num_seqs,
                                      max_model_len=longest, max_num_batched_tokens=8192,
                                      enforce_eager=self.args.enforce_eager, **kw)
         return self._llm
@@ -204,7 +210,8 @@ class Bench:
         r["floor_ms"] = (read + ctx * kv) / r["bytes_per_s"] * 1e3
         r.update(weight_bytes=total, weight_bytes_read=read, kv_bytes_per_token=kv)
         self.release()
-        peer = CompiledPeer(self.target, self.cfg, 1, ctx, ctx + 64)
+        target, cfg, _ = self.pair_modules()
+        peer = CompiledPeer(target, cfg, 1, ctx, ctx + 64)
         t = time.time()
         peer.decode()
         r["peer_compile_s"] = time.time() - t
