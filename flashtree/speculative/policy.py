@@ -6,7 +6,7 @@
 behaviour). `AdaptivePolicy` speculates where it is measured to be faster: per power-of-two
 bucket of batch sizes it compares committed tokens per second of speculative steps with those
 of plain steps, both timed whole on this machine, and backs off exponentially (with probes)
-where speculation loses. Measurements behind the constants: docs/speculation.md."""
+where speculation loses; a larger bucket met later starts from that back-off. Measurements behind the constants: docs/speculation.md."""
 
 from __future__ import annotations
 
@@ -101,8 +101,19 @@ class AdaptivePolicy:
     def at(self, requests: int) -> _Bucket:
         key = batch_bucket(requests)
         if key not in self.buckets:
-            self.buckets[key] = _Bucket()
+            self.buckets[key] = self._new_bucket(key)
         return self.buckets[key]
+
+    def _new_bucket(self, key: int) -> _Bucket:
+        """A bucket not seen before. Speculation gains less as the batch grows, so above a
+        bucket where it lost the new one starts backed off as that one is, instead of paying
+        a first probe of its own."""
+        below = [k for k in self.buckets if k < key]
+        if below:
+            nearest = self.buckets[max(below)]
+            if nearest.backoff:
+                return _Bucket(plain_left=nearest.backoff, backoff=nearest.backoff)
+        return _Bucket()
 
     def plan(self, requests: int) -> int:
         bucket = self.at(requests)

@@ -97,3 +97,21 @@ def test_the_verdict_compares_tokens_per_second(accepted):
     1.5 tokens per request."""
     chosen = drive(AdaptivePolicy(BUDGET), 400, 1, spec_seconds=1.5, accepted=accepted)
     assert (sum(chosen[-200:]) > 150) == (accepted > 1.5)
+
+
+def test_a_larger_batch_starts_backed_off_where_a_smaller_one_lost():
+    policy = AdaptivePolicy(BUDGET)
+    drive(policy, 300, 4, spec_seconds=1.5, accepted=1.2)  # loses at 4 requests: backed off
+    backoff = policy.at(4).backoff
+    assert backoff > 0
+    larger = drive(policy, backoff, 16, spec_seconds=1.5, accepted=1.2)
+    assert not any(larger)  # no first probe of its own: the back-off carried over
+    probe = drive(policy, 6, 16, spec_seconds=1.5, accepted=1.2)
+    assert probe == [True] * 5 + [False]  # then one probe, lost again: backed off
+
+
+def test_a_larger_batch_measures_afresh_where_a_smaller_one_won():
+    policy = AdaptivePolicy(BUDGET)
+    drive(policy, 300, 4, spec_seconds=1.5, accepted=3.0)  # pays at 4 requests
+    larger = drive(policy, 40, 16, spec_seconds=1.5, accepted=3.0)
+    assert larger[:5] == [False] * 5 and all(larger[10:])  # times plain first, then speculates
