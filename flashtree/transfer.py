@@ -8,6 +8,8 @@ block alive until the copy is done)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -36,3 +38,20 @@ def lists_to_device(lists: list[list[int]], device: torch.device) -> list[torch.
         flat += [0] * (len(values) % 2)
     parts = to_device(flat, device).split([len(v) + len(v) % 2 for v in lists])
     return [part[: len(values)] for part, values in zip(parts, lists)]
+
+
+def start_to_host(values: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start copying `values` to the host; the returned function waits for that copy alone
+    (not for device work queued after it) and gives the host tensor."""
+    if values.device.type != "cuda":
+        host = values.cpu()
+        return lambda: host
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> torch.Tensor:
+        copied.synchronize()
+        return host
+    return wait

@@ -53,11 +53,47 @@ class AcceptanceOracle:
             raise ValueError("the acceptance oracle needs a speculative LLM (spec dflash/ddtree)")
         self.engine, self.references, self.p, self.q = engine, references, p, q
         self.generator = torch.Generator(engine.args.device).manual_seed(seed)
-        self._draft_logits = engine.proposer.draft_logits
-        engine.proposer.draft_logits = self._rewritten_draft_logits
+        proposer = self.proposer = engine.proposer
+        self._draft_logits, self._draft_ahead = proposer.draft_logits, proposer.draft_ahead
+        proposer.draft_logits = self._rewritten_draft_logits
+        proposer.draft_ahead = self._rewritten_draft_ahead
+        self._device_references: dict[int, torch.Tensor] = {}  # seq_id -> padded with -1
+
+    def _rewritten_draft_ahead(self, seq_ids: list[int], starts: list[int],
+                               advance: torch.Tensor, bonus: torch.Tensor, most: int,
+                               gather: bool = False):
+        """`draft_ahead`, its logits rewritten on the device (the blocks' starts are device
+        values there)."""
+        ahead = self._draft_ahead(seq_ids, starts, advance, bonus, most, gather)
+        if ahead is None:
+            return None
+        device = ahead.logits.device
+        first = to_device(starts, device) + advance  # [R] the blocks' bonus positions
+        slots = torch.arange(1, self.proposer.block_size, device=device)
+        references = torch.nn.utils.rnn.pad_sequence(  # [R, L]
+            [self._device_reference(i) for i in seq_ids], batch_first=True, padding_value=-1)
+        where = (first[:, None] + slots).clamp(max=references.shape[1] - 1)
+        targets = references.gather(1, where).flatten()
+        ranks = oracle_ranks(targets.shape[0], self.p, self.q, self.generator)
+        with torch.inference_mode():
+            rank_targets(ahead.logits, targets, ranks, self.p)
+        return ahead
+
+    def _device_reference(self, seq_id: int) -> torch.Tensor:
+        """A running request's reference tokens on the device, padded with -1 past its end by
+        more than any block reaches."""
+        if seq_id not in self._device_references:
+            seq = next(s for s in self.engine.scheduler.running if s.seq_id == seq_id)
+            reference = self.references.get(tuple(seq.prompt_ids), [])
+            padded = reference + [-1] * (2 * self.proposer.block_size)
+            self._device_references[seq_id] = to_device(padded, self.engine.args.device)
+        return self._device_references[seq_id]
 
     def _rewritten_draft_logits(self, blocks: list[tuple[int, int, int, int]],
                                 gather: bool = True) -> torch.Tensor:
+        drafted = self.proposer.drafted_ahead(blocks, gather)
+        if drafted is not None:
+            return drafted  # rewritten when it was drafted
         logits = self._draft_logits(blocks, gather)
         running = {s.seq_id: s for s in self.engine.scheduler.running}
         targets = []

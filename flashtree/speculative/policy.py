@@ -6,7 +6,8 @@
 behaviour). `AdaptivePolicy` speculates where it is measured to be faster: per power-of-two
 bucket of batch sizes it compares committed tokens per second of speculative steps with those
 of plain steps, both timed whole on this machine, and backs off exponentially (with probes)
-where speculation loses; a larger bucket met later starts from that back-off. Measurements behind the constants: docs/speculation.md."""
+where speculation loses; a larger bucket met later starts from that back-off. Measurements
+behind the constants: docs/speculation.md."""
 
 from __future__ import annotations
 

@@ -13,11 +13,12 @@ from itertools import chain
 import torch
 
 from flashtree.attention import make_backend
+from flashtree.attention.backend import AttentionMetadata
 from flashtree.graphs.forward import DraftForward, graph_inputs
 from flashtree.graphs.rows import RowGraphs
 from flashtree.graphs.runner import GraphRunner, batch_buckets
 from flashtree.graphs.schema import GraphDims, GraphMode
-from flashtree.kv.cache import KVCache, PageTables
+from flashtree.kv.cache import KVCache, OutOfPages, PageTables
 from flashtree.layers import fused_kernels_apply
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
@@ -26,6 +27,16 @@ from flashtree.transfer import host_to_device, lists_to_device, to_device
 
 _GRAPH_CONTEXT_ROWS = 2048  # context rows per injection that replay a captured graph at most
 _MAX_DEFERRED_ROWS = 16384  # rows held for the next draft before injecting them anyway
+
+
+@dataclass
+class Ahead:
+    """A next step's draft logits, queued early (`DFlashProposer.draft_ahead`), and the blocks
+    they answer, set once the host knows them."""
+
+    logits: torch.Tensor
+    gather: bool
+    blocks: list[tuple[int, int, int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,7 @@ class DFlashProposer:
         self._deferred: list[ContextRows] = []
         self._deferred_rows = 0
         self._ended_leases = pages.watch_ended_leases()  # since the last flush
+        self._ahead: Ahead | None = None  # the next step's blocks, drafted early
         self.graphs: GraphRunner | None = None
         self._context_writer: RowGraphs | None = None
         # The layers' K/V projections as one matrix, for the fused context write (CUDA).
@@ -205,6 +217,9 @@ class DFlashProposer:
         `[bonus, mask x (b-1)]` at positions n..n+b-1 through the drafter; return float32 logits
         of slots 1..b-1 of every block, packed: [sum(b - 1), vocab] (this TP rank's vocab slice
         unless `gather`). Pages for n + b tokens must be reserved."""
+        drafted = self.drafted_ahead(blocks, gather)
+        if drafted is not None:
+            return drafted
         items = [
             BatchItem(seq_id, n, [bonus] + [self.mask_token_id] * (b - 1), all_logits=True)
             for seq_id, n, bonus, b in blocks
@@ -214,21 +229,75 @@ class DFlashProposer:
         for it in items:
             keep += range(start + 1, start + len(it.tokens))
             start += len(it.tokens)
-        keep_rows = to_device(keep, self.device)
+
+        def build(causal: bool = True, window: int | None = None) -> ForwardBatch:
+            return ForwardBatch.build(Mode.DRAFT, items, self.pages, self.device, causal=causal,
+                                      sliding_window=window)
+        return self._run_draft(build, len(items), max(b for *_, b in blocks),
+                               to_device(keep, self.device), gather)
+
+    def drafted_ahead(self, blocks: list[tuple[int, int, int, int]], gather: bool
+                      ) -> torch.Tensor | None:
+        """The logits `draft_ahead` queued, if they answer exactly `blocks` (taken: asked
+        once)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.blocks == list(blocks) and ahead.gather == gather:
+            return ahead.logits
+        return None
+
+    def _run_draft(self, build, requests: int, block: int, keep_rows: torch.Tensor,
+                   gather: bool) -> torch.Tensor:
+        """The drafter over the batch `build(causal, window)` makes (a captured graph where one
+        holds it), logits of the rows `keep_rows`."""
         graphs = self.graphs
-        key = None if graphs is None else graphs.bucket(GraphMode.DRAFT, len(items),
-                                                         max(b for *_, b in blocks))
+        key = None if graphs is None else graphs.bucket(GraphMode.DRAFT, requests, block)
         if graphs is not None and key is not None:
             # The graph gathers the whole vocab; its outputs are static buffers (copied here).
-            batch = ForwardBatch.build(Mode.DRAFT, items, self.pages, self.device)
-            return graphs.replay(key, len(items), graph_inputs(batch))[keep_rows]
+            return graphs.replay(key, requests, graph_inputs(build()))[keep_rows]
         batch = None
         for (causal, window), backend in self._backends.items():
-            batch = ForwardBatch.build(
-                Mode.DRAFT, items, self.pages, self.device, causal=causal, sliding_window=window
-            )
+            batch = build(causal, window)
             backend.begin_forward(batch.attn)
         assert batch is not None
         embeds = self.target.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         hidden = self.draft(embeds, batch.positions, self._layer_backends)
         return self.draft.logits(hidden[keep_rows], self.target.lm_head, gather)
+
+    @torch.inference_mode()
+    def draft_ahead(self, seq_ids: list[int], starts: list[int], advance: torch.Tensor,
+                    bonus: torch.Tensor, most: int, gather: bool = False) -> Ahead | None:
+        """Queue the next step's full draft blocks before this step's result reaches the host:
+        request i's block starts at starts[i] + advance[i] with token bonus[i] (device [R]
+        int64, advance <= `most`). The host then finishes the step while the device drafts;
+        `draft_logits` hands the logits out if it is asked for exactly these blocks (set
+        `Ahead.blocks` once the step's result is read). None where the pages cannot be
+        reserved."""
+        b, page = self.block_size, self.pages.page_size
+        try:
+            for seq_id, start in zip(seq_ids, starts):
+                self.pages.reserve(seq_id, start + most + b)
+        except OutOfPages:
+            return None
+        r = len(seq_ids)
+        tables = [self.pages.table(seq_id) for seq_id in seq_ids]
+        width = max(len(t) for t in tables)
+        page_tables, starts_t = lists_to_device(
+            [[p for t in tables for p in t + [0] * (width - len(t))], starts], self.device)
+        page_tables = page_tables.view(r, width)
+        first = starts_t + advance  # [R] the blocks' first positions
+        positions = first[:, None] + torch.arange(b, device=self.device)  # [R, b]
+        slots = page_tables.gather(1, positions // page) * page + positions % page
+        mask = torch.full((r, b - 1), self.mask_token_id, dtype=torch.long, device=self.device)
+        input_ids = torch.cat([bonus[:, None], mask], 1).flatten()
+        query_start = torch.arange(0, (r + 1) * b, b, device=self.device)
+        rows = torch.arange(r * b, device=self.device)
+
+        def build(causal: bool = True, window: int | None = None) -> ForwardBatch:
+            attn = AttentionMetadata(query_start, first + b, slots.flatten(), page_tables,
+                                     max_query_len=b, max_kv_len=max(starts) + most + b,
+                                     causal=causal, sliding_window=window)
+            return ForwardBatch(Mode.DRAFT, input_ids, positions.flatten(), attn, rows)
+        keep_rows = rows.view(r, b)[:, 1:].flatten()
+        logits = self._run_draft(build, r, b, keep_rows, gather)
+        self._ahead = Ahead(logits, gather)
+        return self._ahead

@@ -19,7 +19,7 @@ from flashtree.sequence import Sequence
 from flashtree.speculative.acceptance import Walk, greedy_walk
 from flashtree.speculative.candidates import TreeBatch
 from flashtree.speculative.proposer import ContextRows, DFlashProposer
-from flashtree.transfer import to_device
+from flashtree.transfer import start_to_host, to_device
 
 
 def walk_and_keep(tokens: torch.Tensor, parent: torch.Tensor, target: torch.Tensor,
@@ -88,8 +88,19 @@ class TreeBatchVerifier:
         kept = features.view(r, n, width).gather(1, path[..., None].expand(r, n, width))
         self.proposer.inject([ContextRows(kept.flatten(0, 1), positions=positions.flatten(),
                                           slots=dst.flatten())])
-        walks = []
-        for count, bonus, *rest in result.tolist():  # the step's one device read
+        read = start_to_host(result)  # the step's one device read, waited for below
+        ahead = None
+        block = self.proposer.block_size
+        if all(s.max_total_len - s.num_computed - n > block for s in seqs):
+            # The device drafts the next step's blocks while the host finishes this one.
+            ahead = self.proposer.draft_ahead([s.seq_id for s in seqs],
+                                              [s.num_computed for s in seqs], result[:, 0],
+                                              result[:, 1], most=n)
+        walks, expected = [], []
+        for s, (count, bonus, *rest) in zip(seqs, read().tolist()):
             nodes, tokens = rest[:n][:count], rest[n:][:count]
             walks.append((nodes, tokens[1:] + [bonus]))
+            expected.append((s.seq_id, s.num_computed + count, bonus, block))
+        if ahead is not None:
+            ahead.blocks = expected
         return walks
