@@ -91,11 +91,12 @@ class TreeBatchVerifier:
         read = start_to_host(result)  # the step's one device read, waited for below
         ahead = None
         block = self.proposer.block_size
-        if all(s.max_total_len - s.num_computed - n > block for s in seqs):
+        most = min(n, block)  # committed tokens at most: a path is one node per depth
+        if all(s.max_total_len - s.num_computed - most > block for s in seqs):
             # The device drafts the next step's blocks while the host finishes this one.
             ahead = self.proposer.draft_ahead([s.seq_id for s in seqs],
                                               [s.num_computed for s in seqs], result[:, 0],
-                                              result[:, 1], most=n)
+                                              result[:, 1], most=most)
         walks, expected = [], []
         for s, (count, bonus, *rest) in zip(seqs, read().tolist()):
             nodes, tokens = rest[:n][:count], rest[n:][:count]

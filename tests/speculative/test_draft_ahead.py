@@ -11,9 +11,11 @@ from flashtree import LLM, SamplingParams
 PROMPTS = [[0, 1, 2], [3, 4], [1, 1, 0, 2, 4], [2]]
 
 
-def _run(pair, spec: str, ahead: bool) -> tuple[list, int]:
+def run_counting(pair, spec: str, ahead: bool, device: str = "cpu") -> tuple[list, int]:
+    """Greedy outputs (tokens, tokens per step) of PROMPTS, and how many steps took drafts
+    queued ahead; `ahead=False` never queues any."""
     target, drafter = map(str, pair)
-    llm = LLM(model=target, draft=drafter, spec=spec, spec_policy="fixed", device="cpu",
+    llm = LLM(model=target, draft=drafter, spec=spec, spec_policy="fixed", device=device,
               skip_tokenizer_init=True, max_num_seqs=4)
     proposer = llm.engine.proposer
     used = []
@@ -32,8 +34,8 @@ def _run(pair, spec: str, ahead: bool) -> tuple[list, int]:
 
 @pytest.mark.parametrize("spec", ["dflash", "ddtree"])
 def test_drafts_queued_ahead_equal_fresh_drafts_and_are_used(small_pair, spec):
-    queued, used = _run(small_pair, spec, ahead=True)
-    fresh, unused = _run(small_pair, spec, ahead=False)
+    queued, used = run_counting(small_pair, spec, ahead=True)
+    fresh, unused = run_counting(small_pair, spec, ahead=False)
     assert queued == fresh  # same tokens, same tokens committed per step: the same drafts
     assert unused == 0
     steps = max(len(lengths) for _, lengths in queued)  # the batch's speculative steps

@@ -1,0 +1,20 @@
+"""Drafts queued ahead on CUDA, where the draft replays a captured graph from device-side
+inputs and the step's read waits for its own copy only: they equal fresh drafts (same tokens,
+same tokens per step) and are used. Skips without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.speculative.test_draft_ahead import run_counting
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("spec", ["dflash", "ddtree"])
+def test_drafts_queued_ahead_equal_fresh_drafts_on_cuda(small_pair, spec):
+    queued, used = run_counting(small_pair, spec, ahead=True, device="cuda")
+    fresh, unused = run_counting(small_pair, spec, ahead=False, device="cuda")
+    assert queued == fresh and unused == 0
+    assert used >= max(len(lengths) for _, lengths in queued) // 2
