@@ -17,7 +17,7 @@ from flashtree.distributed import get_tp_size
 from flashtree.llm import LLM
 from flashtree.speculative.policy import FixedPolicy
 from flashtree.speculative.tree import build_trees_from_topk, topk_logprobs
-from flashtree.transfer import to_device
+from flashtree.transfer import lists_to_device, to_device
 
 
 def rank_targets(logits: torch.Tensor, targets: torch.Tensor, ranks: torch.Tensor,
@@ -62,22 +62,38 @@ class AcceptanceOracle:
     def _rewritten_draft_ahead(self, seq_ids: list[int], starts: list[int],
                                advance: torch.Tensor, bonus: torch.Tensor, most: int,
                                gather: bool = False):
-        """`draft_ahead`, its logits rewritten on the device (the blocks' starts are device
-        values there)."""
+        """`draft_ahead`, its logits rewritten (the blocks' starts are device values)."""
         ahead = self._draft_ahead(seq_ids, starts, advance, bonus, most, gather)
-        if ahead is None:
-            return None
-        device = ahead.logits.device
-        first = to_device(starts, device) + advance  # [R] the blocks' bonus positions
-        slots = torch.arange(1, self.proposer.block_size, device=device)
+        if ahead is not None:
+            first = to_device(starts, ahead.logits.device) + advance
+            self._rewrite(ahead.logits, seq_ids, first, [self.proposer.block_size] * len(starts))
+        return ahead
+
+    def _rewritten_draft_logits(self, blocks: list[tuple[int, int, int, int]],
+                                gather: bool = True) -> torch.Tensor:
+        drafted = self.proposer.drafted_ahead(blocks, gather)
+        if drafted is not None:
+            return drafted  # rewritten when it was drafted
+        logits = self._draft_logits(blocks, gather)
+        seq_ids, starts, _, sizes = zip(*blocks)
+        self._rewrite(logits, list(seq_ids), to_device(list(starts), logits.device),
+                      list(sizes))
+        return logits
+
+    def _rewrite(self, logits: torch.Tensor, seq_ids: list[int], first: torch.Tensor,
+                 sizes: list[int]) -> None:
+        """Rank the reference tokens in `logits` (blocks packed, slots 1..size-1 of each) at
+        the oracle's rates; `first`: each block's bonus position, on the device. Slot j
+        predicts the token at first + j. Device ops only."""
+        device = logits.device
         references = torch.nn.utils.rnn.pad_sequence(  # [R, L]
             [self._device_reference(i) for i in seq_ids], batch_first=True, padding_value=-1)
-        where = (first[:, None] + slots).clamp(max=references.shape[1] - 1)
-        targets = references.gather(1, where).flatten()
-        ranks = oracle_ranks(targets.shape[0], self.p, self.q, self.generator)
-        with torch.inference_mode():
-            rank_targets(ahead.logits, targets, ranks, self.p)
-        return ahead
+        rows, slots = lists_to_device([[r for r, size in enumerate(sizes) for _ in range(1, size)],
+                                       [j for size in sizes for j in range(1, size)]], device)
+        where = (first[rows] + slots).clamp(max=references.shape[1] - 1)
+        ranks = oracle_ranks(rows.shape[0], self.p, self.q, self.generator)
+        with torch.inference_mode():  # the drafter's logits are inference tensors
+            rank_targets(logits, references[rows, where], ranks, self.p)
 
     def _device_reference(self, seq_id: int) -> torch.Tensor:
         """A running request's reference tokens on the device, padded with -1 past its end by
@@ -88,25 +104,6 @@ class AcceptanceOracle:
             padded = reference + [-1] * (2 * self.proposer.block_size)
             self._device_references[seq_id] = to_device(padded, self.engine.args.device)
         return self._device_references[seq_id]
-
-    def _rewritten_draft_logits(self, blocks: list[tuple[int, int, int, int]],
-                                gather: bool = True) -> torch.Tensor:
-        drafted = self.proposer.drafted_ahead(blocks, gather)
-        if drafted is not None:
-            return drafted  # rewritten when it was drafted
-        logits = self._draft_logits(blocks, gather)
-        running = {s.seq_id: s for s in self.engine.scheduler.running}
-        targets = []
-        for seq_id, start, _bonus, size in blocks:
-            reference = self.references.get(tuple(running[seq_id].prompt_ids), [])
-            # Slot j predicts the token at position start + j (slot 0 holds the bonus).
-            targets += [reference[start + j] if start + j < len(reference) else -1
-                        for j in range(1, size)]
-        device = logits.device
-        ranks = oracle_ranks(len(targets), self.p, self.q, self.generator)
-        with torch.inference_mode():  # the drafter's logits are inference tensors
-            rank_targets(logits, to_device(targets, device), ranks, self.p)
-        return logits
 
 
 def plain_references(llm: LLM, prompts: list[list[int]], params) -> dict[tuple[int, ...],
