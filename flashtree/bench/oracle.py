@@ -30,7 +30,8 @@ def rank_targets(logits: torch.Tensor, targets: torch.Tensor, ranks: torch.Tenso
     token = targets.clamp_min(0)[:, None]
     rest = logits.scatter(1, token, float("-inf"))
     others = rest.topk(2, dim=1).values  # [N, 2]
-    odds = math.log(min(confidence, 0.999) / (1 - min(confidence, 0.999))) if confidence else 0
+    sure_share = min(confidence, 0.999)
+    odds = math.log(sure_share / (1 - sure_share)) if confidence else 0
     sure = torch.logsumexp(rest, dim=1) + odds  # the target's logit at that share of the mass
     value = torch.where(ranks == 1, torch.maximum(others[:, 0] + 1, sure),
                         torch.where(ranks == 2, (others[:, 0] + others[:, 1]) / 2,
@@ -65,8 +66,8 @@ class AcceptanceOracle:
         """`draft_ahead`, its logits rewritten (the blocks' starts are device values)."""
         ahead = self._draft_ahead(seq_ids, starts, advance, bonus, most, gather)
         if ahead is not None:
-            first = to_device(starts, ahead.logits.device) + advance
-            self._rewrite(ahead.logits, seq_ids, first, [self.proposer.block_size] * len(starts))
+            self._rewrite(ahead.logits, seq_ids, ahead.first,
+                          [self.proposer.block_size] * len(seq_ids))
         return ahead
 
     def _rewritten_draft_logits(self, blocks: list[tuple[int, int, int, int]],

@@ -36,6 +36,7 @@ class Ahead:
 
     logits: torch.Tensor
     gather: bool
+    first: torch.Tensor  # [R] each block's first (bonus) position, on the device
     blocks: list[tuple[int, int, int, int]] | None = None
 
 
@@ -299,5 +300,5 @@ class DFlashProposer:
             return ForwardBatch(Mode.DRAFT, input_ids, positions.flatten(), attn, rows)
         keep_rows = rows.view(r, b)[:, 1:].flatten()
         logits = self._run_draft(build, r, b, keep_rows, gather)
-        self._ahead = Ahead(logits, gather)
+        self._ahead = Ahead(logits, gather, first)
         return self._ahead
