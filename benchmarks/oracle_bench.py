@@ -81,6 +81,15 @@ def chain_rate(tau: float, block: int = BLOCK) -> float:
     return (lo + hi) / 2
 
 
+def speculative_share(eng, budgets_before: dict[int, int]) -> float:
+    """Of the request-steps decoded since `budgets_before` (the stats' budgets then), the share
+    that speculated (0 for plain decoding)."""
+    if eng.speculative is None:
+        return 0.0
+    new = {k: v - budgets_before.get(k, 0) for k, v in eng.speculative.stats.budgets.items()}
+    return sum(v for k, v in new.items() if k > 0) / max(1, sum(new.values()))
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
         self.args, self.res, self.save = args, res, save
@@ -110,7 +119,7 @@ class Bench:
             topk_cap: int | None = None, policy: str = "fixed") -> LLM:
         """A fresh engine over the shared weights (the previous one released first)."""
         self.release()
-        kw = {} if spec == "none" else dict(spec=spec, spec_policy=policy)
+        kw = dict(spec=spec) if spec == "none" else dict(spec=spec, spec_policy=policy)
         if spec == "ddtree":
             kw.update(tree_budget=budget, topk_cap=topk_cap)
         # Room for the longest run plus the largest tree's speculative lookahead.
@@ -143,6 +152,7 @@ class Bench:
         sync(self.device)
         start, before = time.perf_counter(), sum(len(s.output_ids) for s in seqs)
         steps = [len(s.spec_accept_lengths) for s in seqs]
+        budgets = dict(eng.speculative.stats.budgets) if eng.speculative else {}
         while any(not s.is_finished for s in seqs):
             eng.step()
         sync(self.device)
@@ -153,6 +163,7 @@ class Bench:
                  == list(p) + list(s.output_ids) for p, s in zip(prompts, seqs)]
         tokens = sum(len(s.output_ids) for s in seqs) - before
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "speculative_share": speculative_share(eng, budgets),
                 "tau": sum(accepted) / len(accepted) if accepted else 1.0,
                 "equal_to_plain": sum(equal) / len(equal) if all(known) else None,
                 "requests": len(prompts)}
@@ -163,6 +174,7 @@ class Bench:
         eq = [r["equal_to_plain"] for r in runs]
         return {"tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
                 "tau": sum(r["tau"] for r in runs) / len(runs),
+                "speculative_share": sum(r["speculative_share"] for r in runs) / len(runs),
                 "equal_to_plain": None if None in eq else sum(eq) / len(eq)}
 
     def plain_references(self, prompts: list[list[int]]) -> None:
@@ -302,7 +314,7 @@ class Bench:
         p, q = self.rates()
         best = self.args.sweep_budget or min(
             self.res.get("c1", {}).get("best_budget", CALIBRATION_BUDGET), 63)
-        levels = [c for c in (1, 2, 4, 8, 16, 32, 64, 128, 256) if c <= self.args.max_concurrency]
+        levels = [int(c) for c in self.args.levels.split(",")]
         self.plain_references(self.prompts[: max(levels)])
         r: dict = {"p": p, "q": q, "ddtree_budget": best, "levels": levels,
                    "tokens": self.args.sweep_tokens, "rounds": self.args.rounds, "rows": {}}
@@ -337,8 +349,8 @@ class Bench:
         prompts, source = pair_prompts(target, self.args.pair_prompts)
         r: dict = {"prompts": source, "num_prompts": len(prompts), "tokens": 128}
         for spec in ("none", "dflash", "ddtree"):
-            kw = {} if spec == "none" else dict(draft=str(DEFAULT_DRAFTER_DIR), spec=spec,
-                                                spec_policy="fixed")
+            kw = dict(spec=spec) if spec == "none" else dict(
+                draft=str(DEFAULT_DRAFTER_DIR), spec=spec, spec_policy="fixed")
             llm = LLM(model=str(target), device=self.args.device, skip_tokenizer_init=True,
                       max_num_seqs=1, max_model_len=max(map(len, prompts)) + 200,
                       enforce_eager=self.args.enforce_eager, **kw)
@@ -470,7 +482,8 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=48, help="tokens per request before timing")
     ap.add_argument("--tokens", type=int, default=256, help="timed tokens per request (c1)")
     ap.add_argument("--sweep-tokens", type=int, default=128)
-    ap.add_argument("--max-concurrency", type=int, default=256)
+    ap.add_argument("--levels", default="1,2,4,8,16,32,64,128,256",
+                    help="the sweep's concurrencies")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sweep-methods", default="none,dflash,ddtree")
     ap.add_argument("--sweep-budget", type=int, help="DDTree budget of the sweep (default: "

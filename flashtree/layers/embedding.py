@@ -12,6 +12,7 @@ from flashtree.distributed import (
     tp_all_gather_last_dim,
     tp_all_reduce,
 )
+from flashtree.layers import dense
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -50,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:  # type: ignore[override]
         # hidden: [n, hidden] -> logits [n, vocab] (or [n, vocab_end - vocab_start])
-        local = F.linear(hidden, self.weight)
+        local = dense(hidden, self.weight)
         if not gather:
             return local[..., : self.vocab_end - self.vocab_start]
         return tp_all_gather_last_dim(local)[..., : self.vocab_size]

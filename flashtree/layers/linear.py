@@ -4,10 +4,10 @@ rank's shard of a full checkpoint tensor, so checkpoint loading never needs to k
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashtree.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from flashtree.layers import dense
 
 
 def _copy_checked(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
@@ -57,7 +57,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(target.data.narrow(0, offset, size), rows, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -86,7 +86,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(self.weight, cols, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = dense(x, self.weight)
         if not self.reduce:
             return y
         y = tp_all_reduce(y)

@@ -1,6 +1,7 @@
 """benchmarks/oracle_bench.py on a tiny random pair on the CPU: every speculative run commits
-exactly the plain run's tokens, the DFlash chain accepts what the oracle's P predicts, the
-acceptance curve rises with P, and the report carries the issue's keys."""
+exactly the plain run's tokens, `none` never speculates, the DFlash chain accepts what the
+oracle's P predicts, the acceptance curve rises with P, and the report carries the issue's
+keys."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def test_oracle_bench_concurrency_one_on_a_tiny_pair(tmp_path):
     rows = [c1["dflash"], c1["dflash_adaptive"], c1["ddtree_topk_cap"],
             *c1["ddtree_budgets"].values(), *c1["curve_dflash"], *c1["curve_ddtree"]]
     assert all(r["equal_to_plain"] == 1.0 for r in rows)
+    # `none` is plain decoding throughout (an engine without the drafter), fixed DFlash never.
+    assert c1["none"]["speculative_share"] == 0.0 and c1["dflash"]["speculative_share"] == 1.0
     p = res["calibrate"]["p"]
     assert abs(1 + sum(p**i for i in range(1, 16)) - 6.6) < 1e-6
     # About 70 steps: the chain's per-step acceptance has a standard deviation near 4.5.

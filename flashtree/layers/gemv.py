@@ -1,0 +1,51 @@
+"""y = x W^T for one row of x on CUDA: the GEMMs of a batch-1 decode step, a weight read once.
+
+On an H200 this streams the smaller Qwen3-8B projections (q/k/v, o, down) faster than cuBLAS
+does at batch 1 (docs/benchmarks.md, `benchmarks/gemv_bench.py`). `layers.dense` chooses it;
+every other case (several rows, float32, CPU, autograd) stays with `F.linear`. Results equal
+`F.linear`'s up to float32 summation order."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_N, _BLOCK_K, _WARPS, _STAGES = 8, 512, 4, 3  # see benchmarks/gemv_bench.py
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, n, k, stride_w,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program per BLOCK_N outputs: stream their weight rows, accumulate in float32.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        c = start + cols
+        w = tl.load(w_ptr + rows[:, None] * stride_w + c[None, :],
+                    mask=(rows[:, None] < n) & (c[None, :] < k), other=0.0)
+        x = tl.load(x_ptr + c, mask=c < k, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=rows < n)
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv` takes x: one row of a half-precision activation against a 2-D weight of
+    its dtype with contiguous rows (the caller checks it is on CUDA, outside autograd)."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.numel() == x.shape[-1] and weight.dim() == 2 and weight.stride(1) == 1)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., k] holding one row, weight [n, k] -> x W^T [..., n] (see `gemv_applies`)."""
+    assert gemv_applies(x, weight), (
+        f"gemv takes one bf16/fp16 row and a weight of its dtype with contiguous rows: x "
+        f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    x_row = x.reshape(k).contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, _BLOCK_N),)](x_row, weight, y, n, k, weight.stride(0),
+                                              BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+                                              num_warps=_WARPS, num_stages=_STAGES)
+    return y

@@ -1,0 +1,68 @@
+"""The batch-1 GEMV kernel (`layers/gemv.py`) behind `layers.dense`: one row of x against weights
+of odd shapes equals a float64 product as closely as cuBLAS's `F.linear` does; several rows,
+float32 and autograd stay with `F.linear` exactly. Skips without CUDA or triton."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton", reason="needs triton")
+
+from flashtree.layers import dense  # noqa: E402
+from flashtree.layers.gemv import gemv, gemv_applies  # noqa: E402
+
+
+def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((y.double() - reference).abs().max() / reference.abs().max()).item()
+
+
+@torch.inference_mode()  # the engine's mode: under autograd `dense` keeps to F.linear
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288), (1000, 576),
+                                 (7, 1000), (49152, 129)])
+@pytest.mark.parametrize("x_shape", [(1, -1), (-1,), (1, 1, -1)])
+def test_one_row_matches_float64_as_closely_as_cublas(dtype, n, k, x_shape):
+    gen = torch.Generator("cuda").manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).to(dtype)
+    x = torch.randn(k, generator=gen, device="cuda").to(dtype).reshape(
+        [k if d == -1 else d for d in x_shape])
+    bias = torch.randn(n, generator=gen, device="cuda").to(dtype)
+    assert gemv_applies(x, weight)
+    reference = F.linear(x.double(), weight.double())
+    y, cublas = dense(x, weight), F.linear(x, weight)
+    assert torch.equal(y, gemv(x, weight))  # the kernel's result, not F.linear's
+    assert y.shape == cublas.shape and y.dtype == dtype
+    # bf16/fp16 output rounding dominates: both land within a half-ulp-sized error of float64.
+    assert relative_error(y, reference) <= max(2 * relative_error(cublas, reference), 4e-3)
+    assert torch.equal(dense(x, weight, bias), y + bias)
+
+
+@torch.inference_mode()
+def test_strided_row_and_weight_view():
+    """A row viewed out of a wider tensor and a weight made of rows of a larger one (a fused
+    projection's slice) give the same product as their contiguous copies."""
+    wide = torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16)
+    x = wide[1:2, ::2]  # stride 2
+    full = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    weight = full[100:300]  # rows contiguous, offset storage
+    assert gemv_applies(x, weight)
+    assert torch.equal(dense(x, weight), gemv(x.contiguous(), weight.contiguous()))
+
+
+@pytest.mark.parametrize("case", ["rows", "float32", "autograd"])
+def test_other_cases_stay_with_f_linear(case):
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    weight = torch.randn(256, 512, device="cuda", dtype=dtype)
+    x = torch.randn(4 if case == "rows" else 1, 512, device="cuda", dtype=dtype)
+    with torch.set_grad_enabled(case == "autograd"):
+        if case == "autograd":
+            x.requires_grad_(True)
+        y = dense(x, weight)
+    assert torch.equal(y, F.linear(x, weight))
+    if case == "autograd":
+        y.sum().backward()  # F.linear's backward: the kernel has none
+        assert x.grad is not None
