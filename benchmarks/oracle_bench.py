@@ -90,6 +90,20 @@ def speculative_share(eng, budgets_before: dict[int, int]) -> float:
     return sum(v for k, v in new.items() if k > 0) / max(1, sum(new.values()))
 
 
+def policy_view(policy) -> dict | None:
+    """What an adaptive policy has measured per batch bucket (its verdict's inputs): median
+    plain and speculative step ms, tokens committed per request per speculative step, back-off."""
+    if not isinstance(policy, AdaptivePolicy):
+        return None
+    return {key: {"plain_ms": _median_ms(b.plain_s), "spec_ms": _median_ms(b.spec_s),
+                  "accepted": b.accepted, "backoff": b.backoff}
+            for key, b in sorted(policy.buckets.items())}
+
+
+def _median_ms(times) -> float | None:
+    return 1e3 * sorted(times)[len(times) // 2] if times else None
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
         self.args, self.res, self.save = args, res, save
@@ -164,6 +178,7 @@ class Bench:
         tokens = sum(len(s.output_ids) for s in seqs) - before
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                 "speculative_share": speculative_share(eng, budgets),
+                "policy": policy_view(eng.policy),
                 "tau": sum(accepted) / len(accepted) if accepted else 1.0,
                 "equal_to_plain": sum(equal) / len(equal) if all(known) else None,
                 "requests": len(prompts)}

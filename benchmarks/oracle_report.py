@@ -144,9 +144,9 @@ def _sweep_lines(sw: dict | None) -> list[str]:
     if not sw:
         return []
     names = list(sw["rows"])
-    lines = [f"## Concurrency sweep{sw.get('label', '')} (DFlash at paper-DFlash, DDTree budget {sw['ddtree_budget']} "
-             f"at paper-DDTree; {sw['tokens']} timed tokens per request, {sw['rounds']} rounds: "
-             "mean [min-max] tokens/s)", "",
+    lines = [f"## Concurrency sweep{sw.get('label', '')} (DFlash at paper-DFlash, DDTree budget "
+             f"{sw['ddtree_budget']} at paper-DDTree; {sw['tokens']} timed tokens per request, "
+             f"{sw['rounds']} rounds: mean [min-max] tokens/s)", "",
              "| concurrency | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for i, c in enumerate(sw["levels"]):
         cells = []
