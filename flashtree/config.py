@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,7 +87,8 @@ class RopeConfig:
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-QUANT_METHODS = ("fp8",)  # dequantized to the model dtype at load
+# fp8: dequantized to the model dtype at load; compressed-tensors: INT4 routed experts kept packed
+QUANT_METHODS = ("fp8", "compressed-tensors")
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0  # fused into one MLP of num_shared * intermediate_size
     router_fp32: bool = False  # router weight kept and applied in float32 (DeepSeek)
+    int4_group: int = 0  # routed experts held as packed INT4 with a scale per this many inputs
 
     def __post_init__(self) -> None:
         if self.scoring_func not in SCORING_FUNCS:
@@ -180,9 +183,11 @@ class ModelConfig:
     checkpoint_dtype: str = "float32"
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
-    # "fp8" (block-quantized, weight_scale_inv per block) or None; other methods raise at load.
+    # "fp8" (block-quantized, weight_scale_inv per block), "compressed-tensors" (INT4 routed
+    # experts, models/int4.py) or None; other methods raise at load.
     quantization: str | None = None
     quant_block: tuple[int, int] = (128, 128)
+    quant_config: str = ""  # the checkpoint's quantization_config as JSON (compressed-tensors)
     # Kimi K2.5/K2.6: a multimodal wrapper whose text weights are under `language_model.`.
     weight_prefix: str = ""
 
@@ -251,6 +256,8 @@ class ModelConfig:
             mla=mla,
             quantization=quant,
             quant_block=block,
+            quant_config=json.dumps(cfg["quantization_config"], sort_keys=True)
+            if quant == "compressed-tensors" else "",
             weight_prefix=weight_prefix,
         )
 

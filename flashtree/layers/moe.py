@@ -18,6 +18,7 @@ from torch import nn
 from flashtree.config import MoEConfig
 from flashtree.distributed import get_ep_rank, get_ep_size, get_moe_tp, tp_all_reduce
 from flashtree.layers.activation import silu_mul
+from flashtree.layers.int4 import dequantize_int4
 from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -85,36 +86,66 @@ class Router(nn.Module):
 
 class _ExpertLinear(nn.Module):
     """This rank's slice of an expert matrix: `stacked` [inter, hidden] matrices (gate, up)
-    sliced along rows (split_dim 0), or one [hidden, inter] matrix (down) along columns."""
+    sliced along rows (split_dim 0), or one [hidden, inter] matrix (down) along columns. With
+    `int4_group`, held as the checkpoint's packed INT4 (`models/int4.py`): `weight_packed` and
+    `weight_scale` sliced the same way, `weight_shape` checked."""
 
-    def __init__(self, hidden: int, inter: int, stacked: int, split_dim: int) -> None:
+    def __init__(self, hidden: int, inter: int, stacked: int, split_dim: int,
+                 int4_group: int = 0) -> None:
         super().__init__()
         self.rank, parts = get_moe_tp()
         if inter % parts:
             raise ValueError(f"moe_intermediate_size {inter} does not split into {parts} parts "
                              f"(tensor parallel size / expert parallel size)")
-        self.shard, self.split_dim = inter // parts, split_dim
+        self.shard, self.split_dim, self.group = inter // parts, split_dim, int4_group
         self.full = (inter, hidden) if split_dim == 0 else (hidden, inter)
         shape = (stacked * self.shard, hidden) if split_dim == 0 else (hidden, self.shard)
-        self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
+        if not int4_group:
+            self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
+            return
+        if shape[1] % int4_group or int4_group % 8:
+            raise ValueError(f"INT4 experts: {shape[1]} input columns per rank do not split "
+                             f"into groups of {int4_group} (a multiple of 8)")
+        rows, cols = shape
+        self.weight_packed = nn.Parameter(torch.empty(rows, cols // 8, dtype=torch.int32),
+                                          requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(rows, cols // int4_group),
+                                         requires_grad=False)
+        self.weight_shape = nn.Parameter(torch.tensor(self.full), requires_grad=False)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
-        _check_shape(name, loaded, self.full)
-        part = loaded.narrow(self.split_dim, self.rank * self.shard, self.shard)
-        self.weight.data.narrow(0, shard * self.shard, part.shape[0]).copy_(part)
+        kind = name.rpartition(".")[2]
+        if kind == "weight_shape":
+            if tuple(loaded.tolist()) != self.full:
+                raise ValueError(f"tensor {name} says {tuple(loaded.tolist())}, expected "
+                                 f"{self.full}")
+            return
+        # Packed and scale tensors are the weight with its input columns divided by `per`.
+        per = {"weight": 1, "weight_packed": 8, "weight_scale": self.group}[kind]
+        _check_shape(name, loaded, (self.full[0], self.full[1] // per))
+        size = self.shard if self.split_dim == 0 else self.shard // per
+        part = loaded.narrow(self.split_dim, self.rank * size, size)
+        getattr(self, kind).data.narrow(0, shard * self.shard, part.shape[0]).copy_(part)
+
+    def matrix(self) -> torch.Tensor:
+        """The weight as a dense matrix (unpacked where it is INT4)."""
+        if not self.group:
+            return self.weight
+        return dequantize_int4(self.weight_packed, self.weight_scale, self.group)
 
 
 class ExpertMLP(nn.Module):
     """One routed expert's slice: rows [r * I/p, (r+1) * I/p) of gate and up, the same columns
     of down, for (r, p) = this rank's place in its expert group. Returns a partial sum."""
 
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, int4_group: int = 0) -> None:
         super().__init__()
-        self.gate_up_proj = _ExpertLinear(hidden, inter, stacked=2, split_dim=0)
-        self.down_proj = _ExpertLinear(hidden, inter, stacked=1, split_dim=1)
+        self.gate_up_proj = _ExpertLinear(hidden, inter, 2, split_dim=0, int4_group=int4_group)
+        self.down_proj = _ExpertLinear(hidden, inter, 1, split_dim=1, int4_group=int4_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        gate_up = self.gate_up_proj.matrix().to(x.dtype)
+        return F.linear(silu_mul(F.linear(x, gate_up)), self.down_proj.matrix().to(x.dtype))
 
 
 class SharedMLP(nn.Module):
@@ -144,7 +175,7 @@ class SparseMoE(nn.Module):
         self.gate = Router(cfg, hidden)
         # Keyed by the GLOBAL expert id, so parameter names are the checkpoint's.
         self.experts = nn.ModuleDict({
-            str(e): ExpertMLP(hidden, cfg.intermediate_size)
+            str(e): ExpertMLP(hidden, cfg.intermediate_size, cfg.int4_group)
             for e in range(self.first_expert, self.first_expert + per_rank)
         })
         self.shared_experts = (

@@ -196,6 +196,10 @@ class DecoderModel(nn.Module):
                 continue
             module.load_shard(hf_name, tensor, shard)
             loaded.add(name)
+        packed = sorted(n for n in unknown if n.endswith(".weight_packed"))
+        if packed:
+            raise ValueError(f"INT4 (compressed-tensors) weights are supported for routed "
+                             f"experts only; quantized here: {packed[:5]}")
         if unknown:
             raise ValueError(f"checkpoint has tensors this model does not know: {sorted(unknown)}")
         missing = sorted(n if n == "lm_head.weight" else f"model.{n}" for n in expected - loaded)

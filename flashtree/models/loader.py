@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from flashtree.config import QUANT_METHODS, ModelConfig
+from flashtree.layers.int4 import int4_group_size
 from flashtree.models.llama import DecoderModel
 
 
@@ -107,10 +109,16 @@ def build_model(
 ) -> DecoderModel:
     if cfg.quantization == "fp8":
         weights = dequantize_fp8_blocks(weights, cfg.quant_block)
+    elif cfg.quantization == "compressed-tensors":
+        if cfg.moe is None:
+            raise ValueError("INT4 compressed-tensors weights are supported for the routed "
+                             "experts of MoE models; this model has none")
+        cfg = replace(cfg, moe=replace(cfg.moe, int4_group=int4_group_size(cfg.quant_config)))
     elif cfg.quantization is not None:
         raise ValueError(
             f"checkpoint quantization {cfg.quantization!r} is not supported; allowed: "
-            f"{list(QUANT_METHODS)} (block FP8, dequantized at load) or unquantized weights"
+            f"{list(QUANT_METHODS)} (block FP8, dequantized at load; compressed-tensors INT4 "
+            f"routed experts, kept packed) or unquantized weights"
         )
     with torch.device(device):
         model = model_class(cfg)(cfg)
@@ -124,4 +132,4 @@ def load_hf_model(
 ) -> tuple[DecoderModel, ModelConfig]:
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     model = build_model(cfg, iter_safetensors(safetensors_files(model_dir)), dtype, device)
-    return model, cfg
+    return model, model.cfg  # the loader may have filled in quantization details

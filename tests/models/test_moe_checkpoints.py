@@ -1,7 +1,7 @@
-"""DeepSeek-V3 checkpoint formats beyond plain safetensors: the Kimi K2.5/K2.6 multimodal wrapper
-(`text_config`, text weights under `language_model.`, vision tensors skipped), DeepSeek's FP8
-block quantization (`weight_scale_inv`, dequantized at load), the MTP layer past the decoder
-stack, and refusals with messages for what is not supported."""
+"""DeepSeek-V3 checkpoint formats beyond plain safetensors (INT4: test_int4_checkpoints.py): the
+Kimi K2.5/K2.6 multimodal wrapper (`text_config`, text weights under `language_model.`, vision
+tensors skipped), DeepSeek's FP8 block quantization (`weight_scale_inv`, dequantized at load),
+the MTP layer past the decoder stack, and refusals with messages for what is not supported."""
 
 from __future__ import annotations
 
@@ -140,10 +140,10 @@ def test_unsupported_quantization_is_refused(ds, tmp_path):
     path, _ = ds
     shutil.copytree(path, tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="'compressed-tensors' is not supported; allowed: "
-                                         r"\['fp8'\]"):
+    with pytest.raises(ValueError, match="'awq' is not supported; allowed: "
+                                         r"\['fp8', 'compressed-tensors'\]"):
         load_hf_model(tmp_path / "m", torch.float32, CPU)
 
 
