@@ -17,9 +17,11 @@ from torch import nn
 
 from flashtree.config import MoEConfig
 from flashtree.distributed import get_ep_rank, get_ep_size, get_moe_tp, tp_all_reduce
+from flashtree.layers import fused_kernels_apply
 from flashtree.layers.activation import silu_mul
 from flashtree.layers.int4 import dequantize_int4
 from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
+from flashtree.layers.moe_align import StackedExperts
 
 
 def _check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -183,11 +185,51 @@ class SparseMoE(nn.Module):
             if cfg.num_shared_experts else None
         )
 
+        self.stacked: StackedExperts | None = None
+
     def owns(self, expert: int) -> bool:
         return self.first_expert <= expert < self.first_expert + self.num_local
 
+    def weights_loaded(self) -> None:
+        """Stack the experts' weights (INT4: packed words and scales) into [E, ...] tensors for
+        the grouped GEMMs (`layers/fused_moe.py`); each expert's parameters become views of
+        them, so the memory is not doubled."""
+        experts = list(self.experts.values())
+        group = experts[0].gate_up_proj.group
+        kinds = ("weight_packed", "weight_scale") if group else ("weight", None)
+
+        def stack(part: str, kind: str | None) -> torch.Tensor | None:
+            if kind is None:
+                return None
+            params = [getattr(getattr(e, part), kind) for e in experts]
+            whole = torch.stack([p.data for p in params])
+            for i, p in enumerate(params):
+                p.data = whole[i]
+            return whole
+        gate_up, gate_up_scale = (stack("gate_up_proj", k) for k in kinds)
+        down, down_scale = (stack("down_proj", k) for k in kinds)
+        assert gate_up is not None and down is not None
+        self.stacked = StackedExperts(gate_up, down, gate_up_scale, down_scale, group)
+
+    def _fused_applies(self, x: torch.Tensor) -> bool:
+        """The grouped GEMMs run on CUDA outside autograd, while the experts' parameters are
+        still views of the stacked weights (a later `.to()` copies them apart)."""
+        if self.stacked is None or not fused_kernels_apply(x):
+            return False
+        first = next(iter(self.experts.values())).gate_up_proj
+        viewed = first.weight_packed if self.stacked.group else first.weight
+        return viewed.data_ptr() == self.stacked.gate_up.data_ptr()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [n, top_k] each
+        if self._fused_applies(x):
+            from flashtree.layers.fused_moe import fused_experts
+
+            assert self.stacked is not None
+            out = fused_experts(x, self.stacked, weights, ids, self.first_expert)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
+            return tp_all_reduce(out)
         out = torch.zeros_like(x)
         local = ids - self.first_expert
         counts = torch.bincount(local[(local >= 0) & (local < self.num_local)],

@@ -205,6 +205,9 @@ class DecoderModel(nn.Module):
         missing = sorted(n if n == "lm_head.weight" else f"model.{n}" for n in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing}")
+        for module in self.modules():
+            if hasattr(module, "weights_loaded"):
+                module.weights_loaded()
 
     def _hf_parameter_names(self) -> list[str]:
         """Checkpoint names (without the `model.` prefix) this model needs, stacked weights

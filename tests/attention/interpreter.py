@@ -6,7 +6,9 @@
   taking the element first);
 - `tl.dot` multiplies bfloat16 blocks as their raw uint16 bits; a bfloat16 widens to float32
   exactly, so the fix multiplies the widened values (products are exact in float32, as in a
-  bf16 MMA with float32 accumulation)."""
+  bf16 MMA with float32 accumulation);
+- a float32 cast to bfloat16 truncates, where CUDA and torch round to nearest even; the fix
+  rounds."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 
 _patch_lang_tensor = interpreter._patch_lang_tensor
 _create_dot = interpreter.InterpreterBuilder.create_dot
+_cast = interpreter.InterpreterBuilder.cast_impl
 
 
 def _index_scalars(tensor, scope) -> None:
@@ -41,3 +44,14 @@ def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
 
 interpreter._patch_lang_tensor = _index_scalars
 interpreter.InterpreterBuilder.create_dot = _dot
+
+
+def _cast_rounding(self, src, dst_type):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest, ties to even
+        return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
+    return _cast(self, src, dst_type)
+
+
+interpreter.InterpreterBuilder.cast_impl = _cast_rounding

@@ -1,0 +1,165 @@
+"""One routed-expert MoE layer of a real shape, random weights built on the device: the
+grouped-GEMM kernels (`flashtree/layers/fused_moe.py`, eager and graph-replayed) against the
+per-expert loop they replace, per token count (decode batches, and verify trees of 16 and 64
+nodes at batch 1), against the layer's bandwidth floor: the bytes of the distinct experts the
+tokens touch, the router and the shared experts, at the measured copy bandwidth.
+
+    python benchmarks/moe_bench.py --shapes qwen3-30b-a3b,kimi-k2.6 --out moe.md
+    python benchmarks/moe_bench.py --shapes tiny --device cpu --out /tmp/moe.md   # a check
+
+Shapes: Qwen3-30B-A3B (hidden 2048, 128 experts of 768, top-8, bf16) and Kimi K2.6 (hidden
+7168, 384 experts of 2048, top-8, sigmoid routing with a selection bias, one shared expert,
+routed experts INT4 in groups of 32 as Kimi ships them). The JSON beside the report carries
+`fused_over_loop_b1` (loop time over fused time at one token) per shape and the fused layer's
+time over its floor per token count. On a CPU only the loop runs (a check of the script)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.gpu_bench import copy_bandwidth, median_ms, sync  # noqa: E402
+from flashtree.config import MoEConfig  # noqa: E402
+from flashtree.layers.moe import SparseMoE  # noqa: E402
+
+SHAPES = {  # hidden, MoEConfig arguments, INT4 group (0: bf16 experts)
+    "qwen3-30b-a3b": (2048, dict(num_experts=128, top_k=8, intermediate_size=768), 0),
+    "kimi-k2.6": (7168, dict(num_experts=384, top_k=8, intermediate_size=2048,
+                             scoring_func="sigmoid", topk_method="noaux_tc",
+                             routed_scaling_factor=2.827, num_shared_experts=1,
+                             router_fp32=True), 32),
+    "tiny": (64, dict(num_experts=8, top_k=2, intermediate_size=32), 16),
+}
+TOKENS = (1, 8, 32, 128, 16, 64)  # the last two: a 16- and a 64-node tree verified at batch 1
+
+
+def build_layer(shape: str, device: torch.device, dtype: torch.dtype) -> SparseMoE:
+    """The layer with random weights made on the device, its experts stacked as after a load."""
+    hidden, moe_args, group = SHAPES[shape]
+    cfg = MoEConfig(**moe_args, sparse_layers=(True,), int4_group=group)
+    with torch.device(device):
+        layer = SparseMoE(cfg, hidden)
+    layer.to(dtype)
+    gen = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dtype == torch.int32:  # packed INT4 words: any bits are valid nibbles
+                p.copy_(torch.randint(-2**31, 2**31 - 1, p.shape, generator=gen, device=device,
+                                      dtype=torch.int32))
+            elif name.endswith("weight_shape"):
+                continue
+            elif name.endswith("weight_scale"):
+                p.copy_(torch.rand(p.shape, generator=gen, device=device) * 0.02)
+            elif p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) * p.shape[-1]**-0.5)
+    layer.weights_loaded()
+    return layer
+
+
+def floor_bytes(layer: SparseMoE, ids: torch.Tensor) -> int:
+    """Weight bytes one forward must read: the distinct routed experts touched, the router, the
+    shared experts."""
+    per_expert = sum(p.numel() * p.element_size()
+                     for n, p in next(iter(layer.experts.values())).named_parameters()
+                     if not n.endswith("weight_shape"))
+    rest = sum(p.numel() * p.element_size() for n, p in layer.named_parameters()
+               if not n.startswith("experts."))
+    return ids.unique().numel() * per_expert + rest
+
+
+def measure(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    layer = build_layer(shape, device, dtype)
+    fused = device.type == "cuda"
+    rows = []
+    for n in TOKENS:
+        x = torch.randn(n, SHAPES[shape][0], device=device).to(dtype)
+        rows.append(time_tokens(layer, x, bandwidth, fused, args.reps))
+        print(shape, rows[-1], flush=True)
+    return {"rows": rows, **({"fused_over_loop_b1": rows[0]["loop_ms"] / rows[0]["fused_ms"]}
+                             if fused else {})}
+
+
+@torch.inference_mode()
+def time_tokens(layer: SparseMoE, x: torch.Tensor, bandwidth: float, fused: bool,
+                reps: int) -> dict:
+    """One row: the whole layer through the per-expert loop, and through the grouped GEMMs."""
+    device = x.device
+    _, ids = layer.gate(x)
+    row = {"tokens": x.shape[0], "experts_touched": int(ids.unique().numel()),
+           "floor_ms": floor_bytes(layer, ids) / bandwidth * 1e3}
+    stacked, layer.stacked = layer.stacked, None  # the per-expert loop
+    row["loop_ms"] = median_ms(lambda: layer(x), device, reps)
+    layer.stacked = stacked
+    if fused:  # the same layer (router and shared experts included) through the kernels
+        row["fused_ms"] = median_ms(lambda: layer(x), device, reps)
+        row["fused_graph_ms"] = graph_ms(lambda: layer(x), reps)
+    return row
+
+
+def graph_ms(fn, reps: int) -> float:
+    """Median ms of `fn` captured in a CUDA graph and replayed (no launch overhead)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay, torch.device("cuda"), reps)
+
+
+def report(res: dict) -> str:
+    lines = ["# MoE layer: grouped GEMMs against the per-expert loop", "",
+             f"Machine: {res['machine']}. Command: `{res['command']}`. Copy bandwidth "
+             f"{res['bandwidth'] / 1e12:.2f} TB/s; the floor is the touched experts', router's "
+             "and shared experts' weight bytes at that bandwidth.", ""]
+    for shape, r in res["shapes"].items():
+        lines += [f"## {shape}", "", "| tokens | experts touched | floor ms | loop ms | fused ms "
+                  "| fused (graph) ms | graph / floor |", "|---|---|---|---|---|---|---|"]
+        for row in r["rows"]:
+            g = row.get("fused_graph_ms")
+            graph = "- | -" if g is None else f"{g:.3f} | {g / row['floor_ms']:.2f}"
+            lines.append(
+                f"| {row['tokens']} | {row['experts_touched']} | {row['floor_ms']:.3f} | "
+                f"{row['loop_ms']:.3f} | {row.get('fused_ms', float('nan')):.3f} | {graph} |")
+        if "fused_over_loop_b1" in r:
+            lines += ["", f"Fused over loop at one token: {r['fused_over_loop_b1']:.2f}x."]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="qwen3-30b-a3b,kimi-k2.6")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, required=True, help="markdown report (JSON beside it)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor()
+    res = {"machine": f"{name or 'CPU'}, torch {torch.__version__}",
+           "command": "python benchmarks/moe_bench.py " + " ".join(sys.argv[1:]),
+           "bandwidth": copy_bandwidth(device, 256 if device.type == "cuda" else 16, 10),
+           "shapes": {}}
+    for shape in args.shapes.split(","):
+        t = time.time()
+        res["shapes"][shape] = measure(shape, args, res["bandwidth"])
+        print(f"[{shape}: {time.time() - t:.0f} s]", flush=True)
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report(res))
+    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    print(report(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""benchmarks/moe_bench.py run small on a CPU: the layer builds from random weights (INT4
+experts stacked as after a load), every token count gets a floor and a loop time, and the
+report and JSON carry them, so the GPU run cannot drift from the engine unnoticed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_moe_bench_runs_small_on_cpu(tmp_path):
+    out = tmp_path / "moe.md"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "moe_bench.py"), "--shapes", "tiny",
+         "--device", "cpu", "--dtype", "float32", "--reps", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    rows = res["shapes"]["tiny"]["rows"]
+    assert [r["tokens"] for r in rows] == [1, 8, 32, 128, 16, 64]
+    assert all(r["floor_ms"] > 0 and r["loop_ms"] > 0 for r in rows)
+    assert rows[0]["experts_touched"] == 2 and all(r["experts_touched"] <= 8 for r in rows)
+    assert "| 128 |" in out.read_text()

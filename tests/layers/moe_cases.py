@@ -1,0 +1,89 @@
+"""Cases for the grouped-GEMM MoE (`layers/fused_moe.py`), shared by the CPU interpreter tests
+and tests/gpu/: the fused result against pair-by-pair eager expert MLPs, rounded where the
+eager path rounds; INT4 experts against the same MLPs on `dequantize_int4`'s weights (which
+tests/models/test_int4_checkpoints.py checks against the compressed-tensors format)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashtree.layers.int4 import dequantize_int4
+from flashtree.layers.moe_align import StackedExperts
+
+# (tokens, experts in the model, top_k, hidden, inter, this rank's first expert and count)
+CASES = [
+    (1, 8, 2, 64, 32, 0, 8),  # a decode step
+    (5, 8, 2, 96, 48, 0, 8),  # widths that are not multiples of the tiles
+    (33, 16, 4, 64, 80, 4, 8),  # expert parallel: other ranks' pairs are left out
+    (70, 4, 3, 32, 16, 0, 4),  # several blocks per expert
+]
+
+
+def eager_experts(x, w13, w2, weights, ids, first):
+    """sum over slots of weight * down(silu(gate(x)) * up(x)), one pair at a time."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s]) - first
+            if not 0 <= e < w13.shape[0]:
+                continue
+            gate_up = F.linear(x[t : t + 1], w13[e])
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            y = F.linear(act, w2[e]).float() * weights[t, s]
+            out[t] += y[0].to(x.dtype).float()
+    return out.to(x.dtype)
+
+
+def pack_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] -> (int32 [rows, cols / 8], eight nibbles value + 8 lowest first; scales
+    [rows, cols / group]) for symmetric INT4 in groups along cols."""
+    rows, cols = w.shape
+    groups = w.float().view(rows, cols // group, group)
+    scale = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-8).to(w.dtype)
+    q = (groups / scale.float()[..., None]).round().clamp(-8, 7).long().view(rows, cols) + 8
+    shifts = torch.arange(0, 32, 4, device=w.device)
+    words = (q.view(rows, cols // 8, 8) << shifts).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32), scale
+
+
+def stack_int4(gate_up: torch.Tensor, down: torch.Tensor, group: int) -> StackedExperts:
+    (w13, s13), (w2, s2) = ([torch.stack(t) for t in zip(*(pack_int4(w, group) for w in ws))]
+                            for ws in (gate_up, down))
+    return StackedExperts(w13, w2, s13, s2, group)
+
+
+def dequantized(experts: StackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    if not experts.group:
+        return experts.gate_up, experts.down
+    assert experts.gate_up_scale is not None and experts.down_scale is not None
+    return tuple(torch.stack([dequantize_int4(p, s, experts.group) for p, s in zip(w, sc)])
+                 for w, sc in ((experts.gate_up, experts.gate_up_scale),
+                               (experts.down, experts.down_scale)))
+
+
+def check_fused_experts(case, dtype: torch.dtype, device: str, seed: int = 0,
+                        group: int = 0) -> None:
+    from flashtree.layers.fused_moe import fused_experts
+
+    n, num_experts, top_k, hidden, inter, first, local = case
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+    x = rand(n, hidden)
+    w13, w2 = rand(local, 2 * inter, hidden, scale=hidden**-0.5), rand(local, hidden, inter,
+                                                                         scale=inter**-0.5)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(n)])
+    weights = torch.rand(n, top_k, generator=gen)
+    ids, weights = ids.to(device), weights.to(device)
+    experts = stack_int4(w13, w2, group) if group else StackedExperts(w13, w2)
+    got = fused_experts(x, experts, weights, ids, first)
+    want = eager_experts(x, *dequantized(experts), weights, ids, first)
+    assert got.shape == want.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * max(1.0, want.float().abs().max().item()), (case, dtype, err)
+    assert want.float().abs().max() > 0  # some pair was this rank's

@@ -1,0 +1,30 @@
+"""The grouped-GEMM MoE kernels against eager expert MLPs, on CPU through Triton's
+interpreter. Skipped where triton is not installed (CI) and where CUDA exists: there
+tests/gpu/test_fused_moe_cuda.py runs the same cases compiled."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/ runs the compiled kernels", allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
+from tests.layers.moe_cases import CASES, check_fused_experts  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_fused_experts_match_eager(case, dtype):
+    check_fused_experts(case, dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] % 16 == 0])
+def test_int4_experts_match_eager_on_their_dequantized_weights(case, dtype):
+    check_fused_experts(case, dtype, "cpu", group=16)
