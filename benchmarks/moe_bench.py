@@ -1,11 +1,14 @@
-"""One routed-expert MoE layer of a real shape, random weights built on the device: the
+"""MoE at speed, random weights built on the device. One routed-expert layer of a real shape: the
 grouped-GEMM kernels (`flashtree/layers/fused_moe.py`, eager and graph-replayed) against the
 per-expert loop they replace, per token count (decode batches, and verify trees of 16 and 64
 nodes at batch 1), against the layer's bandwidth floor: the bytes of the distinct experts the
-tokens touch, the router and the shared experts, at the measured copy bandwidth.
+tokens touch, the router and the shared experts, at the measured copy bandwidth. Then a whole
+Qwen3-30B-A3B-shaped target: decode steps at batch 1 to 128 and 16- and 64-node verifies,
+against the same kind of floor (with the KV read).
 
     python benchmarks/moe_bench.py --shapes qwen3-30b-a3b,kimi-k2.6 --out moe.md
-    python benchmarks/moe_bench.py --shapes tiny --device cpu --out /tmp/moe.md   # a check
+    python benchmarks/moe_bench.py --shapes tiny --model tiny-moe --device cpu --ctx 32 \
+        --out /tmp/moe.md   # a check
 
 Shapes: Qwen3-30B-A3B (hidden 2048, 128 experts of 768, top-8, bf16) and Kimi K2.6 (hidden
 7168, 384 experts of 2048, top-8, sigmoid routing with a selection bias, one shared expert,
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import sys
 import time
 from pathlib import Path
@@ -26,9 +30,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gpu_bench import copy_bandwidth, median_ms, sync  # noqa: E402
+from benchmarks.gpu_bench import (  # noqa: E402
+    Scratch,
+    copy_bandwidth,
+    median_ms,
+    sync,
+    verify_forward,
+)
+from flashtree import LLM  # noqa: E402
+from flashtree.bench.random_pair import SHAPES as MODEL_SHAPES  # noqa: E402
+from flashtree.bench.random_pair import random_target  # noqa: E402
 from flashtree.config import MoEConfig  # noqa: E402
 from flashtree.layers.moe import SparseMoE  # noqa: E402
+from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
 
 SHAPES = {  # hidden, MoEConfig arguments, INT4 group (0: bf16 experts)
     "qwen3-30b-a3b": (2048, dict(num_experts=128, top_k=8, intermediate_size=768), 0),
@@ -39,6 +53,7 @@ SHAPES = {  # hidden, MoEConfig arguments, INT4 group (0: bf16 experts)
     "tiny": (64, dict(num_experts=8, top_k=2, intermediate_size=32), 16),
 }
 TOKENS = (1, 8, 32, 128, 16, 64)  # the last two: a 16- and a 64-node tree verified at batch 1
+BATCHES = (1, 8, 32, 128)  # the whole model's decode steps
 
 
 def build_layer(shape: str, device: torch.device, dtype: torch.dtype) -> SparseMoE:
@@ -105,6 +120,72 @@ def time_tokens(layer: SparseMoE, x: torch.Tensor, bandwidth: float, fused: bool
     return row
 
 
+def measure_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
+    """The whole random-weight target (`flashtree/bench/random_pair.py`): decode steps at
+    BATCHES and 16- and 64-node verifies at batch 1, after `--ctx` tokens, each against its
+    floor: every weight but the embedding table, the distinct experts each layer's tokens
+    touch, and the KV read."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model, cfg = random_target(MODEL_SHAPES[shape], dtype, device)
+    llm = LLM.from_modules(model, cfg, max_num_seqs=max(BATCHES),
+                           max_model_len=args.ctx + 128)
+    touched = ExpertsTouched(model)
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if ".experts." not in n and not n.startswith("embed_tokens"))
+    expert = next(m for m in model.modules() if isinstance(m, SparseMoE))
+    per_expert = sum(p.numel() * p.element_size()
+                     for p in next(iter(expert.experts.values())).parameters())
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    rows = []
+    with Scratch(llm) as s, torch.inference_mode():
+        cases = [(f"decode x{b}", b, decode_forward(llm, s, b, args.ctx, cfg.vocab_size))
+                 for b in BATCHES]
+        cases += [(f"verify {n} nodes", 1, verify_forward(llm, s, n, args.ctx, cfg.vocab_size))
+                  for n in (16, 64)]
+        for name, batch, run in cases:
+            with touched:
+                run()
+            floor = dense + touched.total * per_expert + batch * args.ctx * kv_per_token
+            rows.append({"step": name, "experts_touched_per_layer": touched.total / cfg.num_layers,
+                         "floor_ms": floor / bandwidth * 1e3,
+                         "ms": median_ms(run, device, args.reps)})
+            print(shape, rows[-1], flush=True)
+    llm.shutdown()
+    ar = {r["step"]: r for r in rows}
+    return {"rows": rows, "moe_ar_step_over_floor_b1": ar["decode x1"]["ms"] /
+            ar["decode x1"]["floor_ms"],
+            "moe_verify64_over_ar_step": ar["verify 64 nodes"]["ms"] / ar["decode x1"]["ms"]}
+
+
+def decode_forward(llm: LLM, s: Scratch, batch: int, ctx: int, vocab: int):
+    """One DECODE forward of `batch` scratch requests after `ctx` tokens of KV, each on its
+    own random token (so that the batch routes to as many experts as a real one)."""
+    gen = random.Random(batch)
+    items = [BatchItem(sid, ctx, [gen.randrange(vocab)]) for sid in s.take(batch, ctx, 1)]
+    return lambda: llm.engine.runner.forward(Mode.DECODE, items)
+
+
+class ExpertsTouched:
+    """While entered, counts the distinct experts each MoE layer's router picks (a host read
+    per layer: outside timed runs only)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = [m.gate for m in model.modules() if isinstance(m, SparseMoE)]
+        self.total, self._hooks = 0, []
+
+    def __enter__(self) -> ExpertsTouched:
+        self.total = 0
+
+        def count(_module, _inputs, output) -> None:
+            self.total += int(output[1].unique().numel())
+        self._hooks = [r.register_forward_hook(count) for r in self.routers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
 def graph_ms(fn, reps: int) -> float:
     """Median ms of `fn` captured in a CUDA graph and replayed (no launch overhead)."""
     fn()
@@ -131,12 +212,24 @@ def report(res: dict) -> str:
         if "fused_over_loop_b1" in r:
             lines += ["", f"Fused over loop at one token: {r['fused_over_loop_b1']:.2f}x."]
         lines.append("")
+    model = res.get("model")
+    if model:
+        lines += [f"## Whole {model['shape']}-shaped target (context {res['ctx']})", "",
+                  "| step | experts touched per layer | floor ms | ms | / floor |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['step']} | {r['experts_touched_per_layer']:.1f} | {r['floor_ms']:.3f} "
+                  f"| {r['ms']:.3f} | {r['ms'] / r['floor_ms']:.2f} |" for r in model["rows"]]
+        lines += ["", f"`moe_ar_step_over_floor_b1` {model['moe_ar_step_over_floor_b1']:.2f}, "
+                  f"`moe_verify64_over_ar_step` {model['moe_verify64_over_ar_step']:.2f}.", ""]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="qwen3-30b-a3b,kimi-k2.6")
+    ap.add_argument("--shapes", default="qwen3-30b-a3b,kimi-k2.6", help="MoE layers")
+    ap.add_argument("--model", default="qwen3-30b-a3b",
+                    help="whole target of this shape (random_pair.SHAPES), or none")
+    ap.add_argument("--ctx", type=int, default=1024, help="context tokens of the model steps")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=20)
@@ -147,7 +240,7 @@ def main() -> None:
     res = {"machine": f"{name or 'CPU'}, torch {torch.__version__}",
            "command": "python benchmarks/moe_bench.py " + " ".join(sys.argv[1:]),
            "bandwidth": copy_bandwidth(device, 256 if device.type == "cuda" else 16, 10),
-           "shapes": {}}
+           "ctx": args.ctx, "shapes": {}}
     for shape in args.shapes.split(","):
         t = time.time()
         res["shapes"][shape] = measure(shape, args, res["bandwidth"])
@@ -155,6 +248,8 @@ def main() -> None:
         sync(device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.model != "none":
+        res["model"] = {"shape": args.model, **measure_model(args.model, args, res["bandwidth"])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report(res))
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))

@@ -184,7 +184,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     # "fp8" (block-quantized, weight_scale_inv per block), "compressed-tensors" (INT4 routed
-    # experts, models/int4.py) or None; other methods raise at load.
+    # experts, layers/int4.py) or None; other methods raise at load.
     quantization: str | None = None
     quant_block: tuple[int, int] = (128, 128)
     quant_config: str = ""  # the checkpoint's quantization_config as JSON (compressed-tensors)

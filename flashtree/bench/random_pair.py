@@ -25,7 +25,18 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512, rope_theta=1e4,
             max_position_embeddings=4096)
-SHAPES = {"qwen3-8b": QWEN3_8B, "tiny": TINY}
+# Qwen3-30B-A3B: 48 layers, all of them 128 experts of 768, top-8.
+QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960,
+                     architectures=["Qwen3MoeForCausalLM"], num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[])
+TINY_MOE = dict(TINY, architectures=["Qwen3MoeForCausalLM"], num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[])
+SHAPES = {"qwen3-8b": QWEN3_8B, "tiny": TINY, "qwen3-30b-a3b": QWEN3_30B_A3B,
+          "tiny-moe": TINY_MOE}
 _COMMON = dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False, rms_norm_eps=1e-6,
                bos_token_id=None, eos_token_id=None, pad_token_id=None)
 _INPUT_STD = 0.02
@@ -56,8 +67,9 @@ def _fill(module: torch.nn.Module, gen: torch.Generator, residual_scale: float,
 
 def random_target(shape: dict, dtype: torch.dtype, device: torch.device | str, seed: int = 1
                   ) -> tuple[DecoderModel, ModelConfig]:
-    """A decisive Qwen3-architecture target of `shape` (a config dict, e.g. QWEN3_8B)."""
-    cfg = ModelConfig.from_hf({**shape, **_COMMON})
+    """A decisive target of `shape` (a config dict, e.g. QWEN3_8B; Qwen3 unless it names its
+    architecture), its MoE experts stacked as after a load."""
+    cfg = ModelConfig.from_hf({**_COMMON, **shape})
     gen = torch.Generator(device).manual_seed(seed)
     with torch.device(device):
         model = model_class(cfg)(cfg)
@@ -68,6 +80,7 @@ def random_target(shape: dict, dtype: torch.dtype, device: torch.device | str, s
         emb.copy_(torch.randn(emb.shape, generator=gen, device=emb.device))
         order = torch.randperm(emb.shape[0], generator=gen, device=emb.device)
         model.lm_head.weight.copy_(emb[order])  # token order[v] is followed by v
+    model.weights_loaded()
     return model.eval(), cfg
 
 

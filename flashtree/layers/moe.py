@@ -89,7 +89,7 @@ class Router(nn.Module):
 class _ExpertLinear(nn.Module):
     """This rank's slice of an expert matrix: `stacked` [inter, hidden] matrices (gate, up)
     sliced along rows (split_dim 0), or one [hidden, inter] matrix (down) along columns. With
-    `int4_group`, held as the checkpoint's packed INT4 (`models/int4.py`): `weight_packed` and
+    `int4_group`, held as the checkpoint's packed INT4 (`layers/int4.py`): `weight_packed` and
     `weight_scale` sliced the same way, `weight_shape` checked."""
 
     def __init__(self, hidden: int, inter: int, stacked: int, split_dim: int,

@@ -205,8 +205,12 @@ class DecoderModel(nn.Module):
         missing = sorted(n if n == "lm_head.weight" else f"model.{n}" for n in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing}")
+        self.weights_loaded()
+
+    def weights_loaded(self) -> None:
+        """Let layers lay out what they loaded for their kernels (MoE experts stacked)."""
         for module in self.modules():
-            if hasattr(module, "weights_loaded"):
+            if module is not self and hasattr(module, "weights_loaded"):
                 module.weights_loaded()
 
     def _hf_parameter_names(self) -> list[str]:

@@ -1,6 +1,8 @@
 """benchmarks/moe_bench.py run small on a CPU: the layer builds from random weights (INT4
-experts stacked as after a load), every token count gets a floor and a loop time, and the
-report and JSON carry them, so the GPU run cannot drift from the engine unnoticed."""
+experts stacked as after a load), every token count gets a floor and a loop time; the whole
+tiny MoE target's decode and verify steps run through the engine's runner with their experts
+counted; the report and JSON carry them, so the GPU run cannot drift from the engine
+unnoticed."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ def test_moe_bench_runs_small_on_cpu(tmp_path):
     out = tmp_path / "moe.md"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "moe_bench.py"), "--shapes", "tiny",
-         "--device", "cpu", "--dtype", "float32", "--reps", "2", "--out", str(out)],
+         "--model", "tiny-moe", "--ctx", "32", "--device", "cpu", "--dtype", "float32",
+         "--reps", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.with_suffix(".json").read_text())
@@ -25,3 +28,10 @@ def test_moe_bench_runs_small_on_cpu(tmp_path):
     assert all(r["floor_ms"] > 0 and r["loop_ms"] > 0 for r in rows)
     assert rows[0]["experts_touched"] == 2 and all(r["experts_touched"] <= 8 for r in rows)
     assert "| 128 |" in out.read_text()
+    model = res["model"]["rows"]  # the whole tiny MoE target through the engine's runner
+    assert [r["step"] for r in model] == ["decode x1", "decode x8", "decode x32", "decode x128",
+                                          "verify 16 nodes", "verify 64 nodes"]
+    assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in model)
+    assert model[0]["experts_touched_per_layer"] == 2  # one token, top-2
+    assert model[3]["experts_touched_per_layer"] > 2  # 128 different tokens
+    assert res["model"]["moe_ar_step_over_floor_b1"] > 0
