@@ -13,8 +13,10 @@ against the same kind of floor (with the KV read).
 Shapes: Qwen3-30B-A3B (hidden 2048, 128 experts of 768, top-8, bf16) and Kimi K2.6 (hidden
 7168, 384 experts of 2048, top-8, sigmoid routing with a selection bias, one shared expert,
 routed experts INT4 in groups of 32 as Kimi ships them). The JSON beside the report carries
-`fused_over_loop_b1` (loop time over fused time at one token) per shape and the fused layer's
-time over its floor per token count. On a CPU only the loop runs (a check of the script)."""
+`fused_over_loop_b1` (the Qwen3 layer's loop time over its fused time at one token),
+`int4_layer_over_floor_b1` (the Kimi layer, graph-replayed, over its floor),
+`moe_ar_step_over_floor_b1` and `moe_verify64_over_ar_step` (the whole target). On a CPU only
+the loop runs (a check of the script)."""
 
 from __future__ import annotations
 
@@ -99,8 +101,11 @@ def measure(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
         x = torch.randn(n, SHAPES[shape][0], device=device).to(dtype)
         rows.append(time_tokens(layer, x, bandwidth, fused, args.reps))
         print(shape, rows[-1], flush=True)
-    return {"rows": rows, **({"fused_over_loop_b1": rows[0]["loop_ms"] / rows[0]["fused_ms"]}
-                             if fused else {})}
+    if not fused:
+        return {"rows": rows}
+    one = rows[0]
+    return {"rows": rows, "fused_over_loop_b1": one["loop_ms"] / one["fused_ms"],
+            "layer_over_floor_b1": one["fused_graph_ms"] / one["floor_ms"]}
 
 
 @torch.inference_mode()
@@ -195,6 +200,20 @@ def graph_ms(fn, reps: int) -> float:
     return median_ms(graph.replay, torch.device("cuda"), reps)
 
 
+def summary(res: dict) -> dict:
+    """The issue's keys, from the sections present: the bf16 layer's fused speed over the loop,
+    the INT4 layer's and the whole target's step over their floors, verify 64 over decode."""
+    shapes, out = res["shapes"], {}
+    if "fused_over_loop_b1" in shapes.get("qwen3-30b-a3b", {}):
+        out["fused_over_loop_b1"] = shapes["qwen3-30b-a3b"]["fused_over_loop_b1"]
+    if "layer_over_floor_b1" in shapes.get("kimi-k2.6", {}):
+        out["int4_layer_over_floor_b1"] = shapes["kimi-k2.6"]["layer_over_floor_b1"]
+    model = res.get("model", {})
+    out.update({k: model[k] for k in ("moe_ar_step_over_floor_b1", "moe_verify64_over_ar_step")
+                if k in model})
+    return out
+
+
 def report(res: dict) -> str:
     lines = ["# MoE layer: grouped GEMMs against the per-expert loop", "",
              f"Machine: {res['machine']}. Command: `{res['command']}`. Copy bandwidth "
@@ -250,6 +269,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.model != "none":
         res["model"] = {"shape": args.model, **measure_model(args.model, args, res["bandwidth"])}
+    res.update(summary(res))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report(res))
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))

@@ -108,6 +108,7 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     """x [n, hidden]; `experts` this rank's E experts (first_expert .. first_expert + E - 1);
     the router's weights (float32) and global expert ids [n, top_k]. -> sum over the top_k
     slots of weight * expert(x), [n, hidden] (zero for slots on other ranks)."""
+    x = x.contiguous()  # the kernels read rows with unit column stride
     n, hidden = x.shape
     num_experts, inter = experts.gate_up.shape[0], experts.inter
     top_k = ids.shape[1]

@@ -23,7 +23,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n, k, stride_w,
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         c = start + cols
-        w = tl.load(w_ptr + rows[:, None] * stride_w + c[None, :],
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + c[None, :],
                     mask=(rows[:, None] < n) & (c[None, :] < k), other=0.0)
         x = tl.load(x_ptr + c, mask=c < k, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -34,7 +34,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gemv` takes x: one row of a half-precision activation against a 2-D weight of
     its dtype with contiguous rows (the caller checks it is on CUDA, outside autograd)."""
     return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.numel() == x.shape[-1] and weight.dim() == 2 and weight.stride(1) == 1)
+            and x.numel() == x.shape[-1] > 0 and weight.dim() == 2 and weight.stride(1) == 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -211,21 +211,18 @@ class SparseMoE(nn.Module):
         assert gate_up is not None and down is not None
         self.stacked = StackedExperts(gate_up, down, gate_up_scale, down_scale, group)
 
-    def _fused_applies(self, x: torch.Tensor) -> bool:
-        """The grouped GEMMs run on CUDA outside autograd, while the experts' parameters are
-        still views of the stacked weights (a later `.to()` copies them apart)."""
-        if self.stacked is None or not fused_kernels_apply(x):
-            return False
-        first = next(iter(self.experts.values())).gate_up_proj
-        viewed = first.weight_packed if self.stacked.group else first.weight
-        return viewed.data_ptr() == self.stacked.gate_up.data_ptr()
+    def _apply(self, fn, recurse: bool = True):
+        # A `.to()` after loading copies each expert's parameters apart: stack them again.
+        super()._apply(fn, recurse)
+        if self.stacked is not None:
+            self.weights_loaded()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [n, top_k] each
-        if self._fused_applies(x):
+        if self.stacked is not None and fused_kernels_apply(x):
             from flashtree.layers.fused_moe import fused_experts
 
-            assert self.stacked is not None
             out = fused_experts(x, self.stacked, weights, ids, self.first_expert)
             if self.shared_experts is not None:
                 out = out + self.shared_experts(x)

@@ -159,17 +159,22 @@ def test_bad_routing_config_names_what_is_allowed(ds, tmp_path):
 
 
 def test_loaded_experts_are_views_of_stacked_weights(ds):
-    """After loading, each MoE layer holds its experts' weights stacked once for the grouped
-    GEMMs (`layers/fused_moe.py`), every expert's parameters viewing that storage."""
+    """After loading, and after a later `.to()`, each MoE layer holds its experts' weights
+    stacked once for the grouped GEMMs (`layers/fused_moe.py`), every expert's parameters
+    viewing that storage."""
     path, _ = ds
     model, _ = load_hf_model(path, torch.float32, CPU)
     moes = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
     assert moes
-    for moe in moes:
-        w13, w2 = moe.stacked.gate_up, moe.stacked.down
-        assert w13.shape == (8, 32, 32) and w2.shape == (8, 32, 16)
-        for i, expert in enumerate(moe.experts.values()):
-            for part, whole in ((expert.gate_up_proj, w13), (expert.down_proj, w2)):
-                assert part.weight.untyped_storage().data_ptr() == \
-                    whole.untyped_storage().data_ptr()
-                assert torch.equal(part.weight, whole[i])
+    before = moes[0].stacked.gate_up.clone()
+    for dtype in (torch.float32, torch.float64):  # a `.to()` copies them apart: stacked again
+        model.to(dtype)
+        for moe in moes:
+            w13, w2 = moe.stacked.gate_up, moe.stacked.down
+            assert w13.shape == (8, 32, 32) and w2.shape == (8, 32, 16) and w13.dtype == dtype
+            for i, expert in enumerate(moe.experts.values()):
+                for part, whole in ((expert.gate_up_proj, w13), (expert.down_proj, w2)):
+                    assert part.weight.untyped_storage().data_ptr() == \
+                        whole.untyped_storage().data_ptr()
+                    assert torch.equal(part.weight, whole[i])
+    assert torch.equal(moes[0].stacked.gate_up, before.double())
