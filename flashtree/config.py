@@ -114,6 +114,7 @@ class MoEConfig:
     num_shared_experts: int = 0  # fused into one MLP of num_shared * intermediate_size
     router_fp32: bool = False  # router weight kept and applied in float32 (DeepSeek)
     int4_group: int = 0  # routed experts held as packed INT4 with a scale per this many inputs
+    fp8_block: tuple[int, int] | None = None  # routed experts held as FP8 with block scales
 
     def __post_init__(self) -> None:
         if self.scoring_func not in SCORING_FUNCS:

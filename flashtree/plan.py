@@ -127,8 +127,16 @@ def kv_bytes_per_token(cfg: ModelConfig, tp: int, dtype_bytes: int) -> int:
     return 2 * cfg.num_layers * max(1, cfg.num_kv_heads // tp) * cfg.head_dim * dtype_bytes
 
 
+def _loaded_bytes(part: Part, cfg: ModelConfig, dtype_bytes: int) -> float:
+    """Bytes per parameter as flashtree holds it: routed experts at checkpoint precision (INT4
+    or FP8 kept), everything else in the model dtype (FP8 dense weights dequantized at load)."""
+    if cfg.quantization in ("compressed-tensors", "fp8") and part.kind == "expert":
+        return _stored_bytes(part, cfg, dtype_bytes)
+    return dtype_bytes
+
+
 def _stored_bytes(part: Part, cfg: ModelConfig, dtype_bytes: int) -> float:
-    """Bytes per parameter as the checkpoint stores it (what a quantized kernel would hold)."""
+    """Bytes per parameter as the checkpoint stores it."""
     q = cfg.quantization
     if q == "compressed-tensors" and part.kind == "expert":
         return 0.5 + 2 / 32  # int4 + one bf16 scale per 32 (Kimi K2.5 / K2.6 experts)
@@ -160,7 +168,8 @@ class Plan:
 
     @property
     def weight_bytes_per_gpu(self) -> int:
-        return sum(p.per_gpu for p in self.parts) * DTYPE_BYTES[self.dtype]
+        b = DTYPE_BYTES[self.dtype]
+        return int(sum(p.per_gpu * _loaded_bytes(p, self.cfg, b) for p in self.parts))
 
     @property
     def stored_bytes_per_gpu(self) -> int:
@@ -204,24 +213,25 @@ def format_plan(plan: Plan) -> str:
         f"layout: --tp {plan.tp} --ep {plan.ep}"
         + (f" ({moe.num_experts // plan.ep} experts per GPU, each sliced over "
            f"{plan.tp // plan.ep} GPU(s))" if moe else ""),
-        f"per GPU, weights as flashtree loads them ({plan.dtype}; quantized checkpoints are "
-        "dequantized at load):",
+        f"per GPU, weights as flashtree loads them ({plan.dtype}; quantized routed experts "
+        "stay at checkpoint precision, other quantized weights are dequantized at load):",
     ]
     for p in plan.parts:
-        lines.append(f"  {p.name:<16} {p.per_gpu / 1e9:10.3f}B params {p.per_gpu * b / GIB:9.2f}"
-                     " GiB")
+        loaded = p.per_gpu * _loaded_bytes(p, cfg, b)
+        lines.append(f"  {p.name:<16} {p.per_gpu / 1e9:10.3f}B params {loaded / GIB:9.2f} GiB")
     w = plan.weight_bytes_per_gpu
     lines.append(f"  {'total':<16} {'':>17} {w / GIB:9.2f} GiB")
-    if cfg.quantization:
+    at_checkpoint = plan.stored_bytes_per_gpu != w
+    if at_checkpoint:
         lines.append(f"  at checkpoint precision ({cfg.quantization}): "
-                     f"{plan.stored_bytes_per_gpu / GIB:.2f} GiB (needs quantized kernels; "
-                     "not what flashtree loads today)")
+                     f"{plan.stored_bytes_per_gpu / GIB:.2f} GiB (needs quantized kernels for "
+                     "the dense layers; not what flashtree loads today)")
     lines.append(f"KV cache per token per GPU: {plan.kv_per_token:,} B"
                  + (" (target MLA latent" if cfg.mla else " (target K/V")
                  + (" + drafter K/V)" if plan.drafter else ")"))
     budget = plan.gpu_bytes * plan.usable_fraction / GIB
     views = [("as loaded", w)]
-    if cfg.quantization:
+    if at_checkpoint:
         views.append(("at checkpoint precision", plan.stored_bytes_per_gpu))
     for label, weights in views:
         tokens = plan.kv_tokens(weights)

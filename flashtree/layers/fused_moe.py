@@ -20,9 +20,15 @@ from flashtree.layers.moe_align import BLOCK_M, StackedExperts, align_by_expert
 
 @triton.jit
 def _weight_tile(w, s, rows, k, mask, stride_wn, stride_sn, GROUP: tl.constexpr,
-                 dtype: tl.constexpr):
-    # The [k, rows] tile of a [rows, k] weight: dense, or INT4 (GROUP > 0) packed eight to an
-    # int32 along k, lowest bits first, value + 8, times one scale per GROUP columns.
+                 BO: tl.constexpr, BI: tl.constexpr, dtype: tl.constexpr):
+    # The [k, rows] tile of a [rows, k] weight: dense; INT4 (GROUP > 0) packed eight to an
+    # int32 along k, lowest bits first, value + 8, times one scale per GROUP columns; or FP8
+    # (BO > 0) times one scale per BO x BI block.
+    if BO > 0:
+        weight = tl.load(w + rows[None, :] * stride_wn + k[:, None], mask=mask, other=0.0)
+        scale = tl.load(s + (rows[None, :] // BO) * stride_sn + k[:, None] // BI, mask=mask,
+                        other=0.0)
+        return (weight.to(tl.float32) * scale).to(dtype)
     if GROUP == 0:
         return tl.load(w + rows[None, :] * stride_wn + k[:, None], mask=mask, other=0.0)
     words = tl.load(w + rows[None, :] * stride_wn + k[:, None] // 8, mask=mask, other=0)
@@ -35,7 +41,8 @@ def _weight_tile(w, s, rows, k, mask, stride_wn, stride_sn, GROUP: tl.constexpr,
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, num_pairs, top_k,
                     hidden, inter, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                     stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                    PRECISION: tl.constexpr):
     # out[pair, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for a block of pairs.
     block = tl.program_id(0)
     expert = tl.load(experts_ptr + block)
@@ -58,8 +65,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, num_pa
         a = tl.load(x_ptr + tokens[:, None] * stride_xt + k[None, :],
                     mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & cols_ok[None, :]
-        wg = _weight_tile(w, sc, cols, k, w_ok, stride_wn, stride_sn, GROUP, dtype)
-        wu = _weight_tile(w, sc, inter + cols, k, w_ok, stride_wn, stride_sn, GROUP, dtype)
+        wg = _weight_tile(w, sc, cols, k, w_ok, stride_wn, stride_sn, GROUP, BO, BI,
+                          dtype)
+        wu = _weight_tile(w, sc, inter + cols, k, w_ok, stride_wn, stride_sn, GROUP, BO, BI,
+                          dtype)
         gate += tl.dot(a, wg, input_precision=PRECISION)
         up += tl.dot(a, wu, input_precision=PRECISION)
     g = gate.to(dtype).to(tl.float32)
@@ -73,7 +82,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, num_pa
 def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts_ptr, num_pairs,
                  hidden, inter, stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_ot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP: tl.constexpr, PRECISION: tl.constexpr):
+                 GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                 PRECISION: tl.constexpr):
     # out[pair, n] = routing weight[pair] * (act[pair] . down[e, n]) for a block of pairs.
     block = tl.program_id(0)
     expert = tl.load(experts_ptr + block)
@@ -95,7 +105,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts
         a = tl.load(act_ptr + safe[:, None] * stride_at + k[None, :],
                     mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
         wd = _weight_tile(w, sc, cols, k, k_ok[:, None] & cols_ok[None, :], stride_wn,
-                          stride_sn, GROUP, dtype)
+                          stride_sn, GROUP, BO, BI, dtype)
         acc += tl.dot(a, wd, input_precision=PRECISION)
     routing = tl.load(weights_ptr + safe, mask=rows_ok, other=0.0)
     y = acc.to(dtype).to(tl.float32) * routing[:, None]
@@ -120,8 +130,9 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k = 64, 64
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 only rounds float32
+    bo, bi = experts.fp8_block or (0, 0)
     common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=experts.group,
-                  PRECISION=precision)
+                  BO=bo, BI=bi, PRECISION=precision)
     w13, s13 = experts.gate_up, experts.gate_up_scale
     _gate_up_kernel[(blocks.numel(), triton.cdiv(inter, block_n))](
         x, w13, w13 if s13 is None else s13, act, pairs, blocks, num_pairs, top_k, hidden,

@@ -88,32 +88,50 @@ class Router(nn.Module):
 
 class _ExpertLinear(nn.Module):
     """This rank's slice of an expert matrix: `stacked` [inter, hidden] matrices (gate, up)
-    sliced along rows (split_dim 0), or one [hidden, inter] matrix (down) along columns. With
-    `int4_group`, held as the checkpoint's packed INT4 (`layers/int4.py`): `weight_packed` and
-    `weight_scale` sliced the same way, `weight_shape` checked."""
+    sliced along rows (split_dim 0), or one [hidden, inter] matrix (down) along columns. As the
+    checkpoint holds it: dense `weight`; with `int4_group`, packed INT4 (`layers/int4.py`:
+    `weight_packed` and `weight_scale` sliced the same way, `weight_shape` checked); with
+    `fp8_block` (bo, bi), a float8 `weight` and one float32 `weight_scale_inv` per block."""
 
     def __init__(self, hidden: int, inter: int, stacked: int, split_dim: int,
-                 int4_group: int = 0) -> None:
+                 int4_group: int = 0, fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.rank, parts = get_moe_tp()
         if inter % parts:
             raise ValueError(f"moe_intermediate_size {inter} does not split into {parts} parts "
                              f"(tensor parallel size / expert parallel size)")
         self.shard, self.split_dim, self.group = inter // parts, split_dim, int4_group
+        self.fp8_block = fp8_block
         self.full = (inter, hidden) if split_dim == 0 else (hidden, inter)
-        shape = (stacked * self.shard, hidden) if split_dim == 0 else (hidden, self.shard)
-        if not int4_group:
-            self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
+        rows, cols = (stacked * self.shard, hidden) if split_dim == 0 else (hidden, self.shard)
+        if int4_group:
+            if cols % int4_group or int4_group % 8:
+                raise ValueError(f"INT4 experts: {cols} input columns per rank do not split "
+                                 f"into groups of {int4_group} (a multiple of 8)")
+            self.weight_packed = nn.Parameter(torch.empty(rows, cols // 8, dtype=torch.int32),
+                                              requires_grad=False)
+            self.weight_scale = nn.Parameter(torch.empty(rows, cols // int4_group),
+                                             requires_grad=False)
+            self.weight_shape = nn.Parameter(torch.tensor(self.full), requires_grad=False)
             return
-        if shape[1] % int4_group or int4_group % 8:
-            raise ValueError(f"INT4 experts: {shape[1]} input columns per rank do not split "
-                             f"into groups of {int4_group} (a multiple of 8)")
-        rows, cols = shape
-        self.weight_packed = nn.Parameter(torch.empty(rows, cols // 8, dtype=torch.int32),
-                                          requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(rows, cols // int4_group),
-                                         requires_grad=False)
-        self.weight_shape = nn.Parameter(torch.tensor(self.full), requires_grad=False)
+        dtype = torch.float8_e4m3fn if fp8_block else None
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+        if fp8_block:
+            bo, bi = fp8_block
+            if self.shard % (bo if split_dim == 0 else bi):
+                raise ValueError(f"FP8 experts: {self.shard} intermediate rows or columns per "
+                                 f"rank do not split into whole {bo}x{bi} blocks")
+            self.weight_scale_inv = nn.Parameter(torch.empty(-(-rows // bo), -(-cols // bi)),
+                                                 requires_grad=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        # FP8 experts keep the checkpoint's float8 weights and float32 scales whatever the
+        # model dtype (float8 -> bf16/fp32 -> float8 is exact).
+        super()._apply(fn, recurse)
+        if self.fp8_block:
+            self.weight.data = self.weight.data.to(torch.float8_e4m3fn)
+            self.weight_scale_inv.data = self.weight_scale_inv.data.float()
+        return self
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         kind = name.rpartition(".")[2]
@@ -122,28 +140,42 @@ class _ExpertLinear(nn.Module):
                 raise ValueError(f"tensor {name} says {tuple(loaded.tolist())}, expected "
                                  f"{self.full}")
             return
-        # Packed and scale tensors are the weight with its input columns divided by `per`.
-        per = {"weight": 1, "weight_packed": 8, "weight_scale": self.group}[kind]
-        _check_shape(name, loaded, (self.full[0], self.full[1] // per))
-        size = self.shard if self.split_dim == 0 else self.shard // per
+        if kind == "weight_scale_inv":  # one scale per block: the weight's slice in blocks
+            assert self.fp8_block is not None
+            block = self.fp8_block[self.split_dim]
+            full = tuple(-(-d // b) for d, b in zip(self.full, self.fp8_block))
+            per_rows = self.shard // block
+        else:  # packed and scale tensors: the weight with its input columns divided by `per`
+            per = {"weight": 1, "weight_packed": 8, "weight_scale": self.group}[kind]
+            full = (self.full[0], self.full[1] // per)
+            block = 1 if self.split_dim == 0 else per
+            per_rows = self.shard
+        _check_shape(name, loaded, full)
+        size = self.shard // block
         part = loaded.narrow(self.split_dim, self.rank * size, size)
-        getattr(self, kind).data.narrow(0, shard * self.shard, part.shape[0]).copy_(part)
+        getattr(self, kind).data.narrow(0, shard * per_rows, part.shape[0]).copy_(part)
 
     def matrix(self) -> torch.Tensor:
-        """The weight as a dense matrix (unpacked where it is INT4)."""
-        if not self.group:
-            return self.weight
-        return dequantize_int4(self.weight_packed, self.weight_scale, self.group)
+        """The weight as a dense matrix (unpacked where it is INT4, scaled where it is FP8)."""
+        if self.group:
+            return dequantize_int4(self.weight_packed, self.weight_scale, self.group)
+        if self.fp8_block:
+            (bo, bi), (rows, cols) = self.fp8_block, self.weight.shape
+            scale = self.weight_scale_inv.repeat_interleave(bo, 0)[:rows]
+            return self.weight.float() * scale.repeat_interleave(bi, 1)[:, :cols]
+        return self.weight
 
 
 class ExpertMLP(nn.Module):
     """One routed expert's slice: rows [r * I/p, (r+1) * I/p) of gate and up, the same columns
     of down, for (r, p) = this rank's place in its expert group. Returns a partial sum."""
 
-    def __init__(self, hidden: int, inter: int, int4_group: int = 0) -> None:
+    def __init__(self, hidden: int, inter: int, int4_group: int = 0,
+                 fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = _ExpertLinear(hidden, inter, 2, split_dim=0, int4_group=int4_group)
-        self.down_proj = _ExpertLinear(hidden, inter, 1, split_dim=1, int4_group=int4_group)
+        quant = dict(int4_group=int4_group, fp8_block=fp8_block)
+        self.gate_up_proj = _ExpertLinear(hidden, inter, 2, split_dim=0, **quant)
+        self.down_proj = _ExpertLinear(hidden, inter, 1, split_dim=1, **quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.matrix().to(x.dtype)
@@ -177,7 +209,7 @@ class SparseMoE(nn.Module):
         self.gate = Router(cfg, hidden)
         # Keyed by the GLOBAL expert id, so parameter names are the checkpoint's.
         self.experts = nn.ModuleDict({
-            str(e): ExpertMLP(hidden, cfg.intermediate_size, cfg.int4_group)
+            str(e): ExpertMLP(hidden, cfg.intermediate_size, cfg.int4_group, cfg.fp8_block)
             for e in range(self.first_expert, self.first_expert + per_rank)
         })
         self.shared_experts = (
@@ -191,12 +223,13 @@ class SparseMoE(nn.Module):
         return self.first_expert <= expert < self.first_expert + self.num_local
 
     def weights_loaded(self) -> None:
-        """Stack the experts' weights (INT4: packed words and scales) into [E, ...] tensors for
+        """Stack the experts' weights (and INT4 or FP8 scales) into [E, ...] tensors for
         the grouped GEMMs (`layers/fused_moe.py`); each expert's parameters become views of
         them, so the memory is not doubled."""
         experts = list(self.experts.values())
-        group = experts[0].gate_up_proj.group
-        kinds = ("weight_packed", "weight_scale") if group else ("weight", None)
+        group, fp8_block = experts[0].gate_up_proj.group, experts[0].gate_up_proj.fp8_block
+        kinds = (("weight_packed", "weight_scale") if group else
+                 ("weight", "weight_scale_inv") if fp8_block else ("weight", None))
 
         def stack(part: str, kind: str | None) -> torch.Tensor | None:
             if kind is None:
@@ -209,7 +242,7 @@ class SparseMoE(nn.Module):
         gate_up, gate_up_scale = (stack("gate_up_proj", k) for k in kinds)
         down, down_scale = (stack("down_proj", k) for k in kinds)
         assert gate_up is not None and down is not None
-        self.stacked = StackedExperts(gate_up, down, gate_up_scale, down_scale, group)
+        self.stacked = StackedExperts(gate_up, down, gate_up_scale, down_scale, group, fp8_block)
 
     def _apply(self, fn, recurse: bool = True):
         # A `.to()` after loading copies each expert's parameters apart: stack them again.

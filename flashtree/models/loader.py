@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -64,14 +65,18 @@ def model_class(cfg: ModelConfig) -> type[DecoderModel]:
     return DecoderModel
 
 
+ROUTED_EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
+
+
 def dequantize_fp8_blocks(
-    weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int]
+    weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int],
+    keep: re.Pattern | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """DeepSeek FP8 checkpoints: each float8 `X.weight` [out, in] comes with
     `X.weight_scale_inv` [ceil(out / bo), ceil(in / bi)] (one float scale per block); the real
-    weight is fp8 * scale. Dequantized here, at load (float32 out; the model casts it), so the
-    model holds full-precision weights. The pair may sit in different shards: whichever comes
-    first waits for the other."""
+    weight is fp8 * scale. Dequantized here, at load (float32 out; the model casts it), but for
+    weights whose names `keep` matches: those pass on as they are, scale and all. The pair may
+    sit in different shards: whichever comes first waits for the other."""
     pending: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     bo, bi = block
@@ -95,6 +100,10 @@ def dequantize_fp8_blocks(
         if tuple(scale.shape) != expected:
             raise ValueError(f"{name}_scale_inv has shape {tuple(scale.shape)}, expected "
                              f"{expected} for a {(out, inp)} weight in {bo}x{bi} blocks")
+        if keep is not None and keep.fullmatch(name):
+            yield name, tensor
+            yield f"{name}_scale_inv", scale
+            continue
         full = scale.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
         yield name, tensor.float() * full
     left = sorted(pending) + [f"{n}_scale_inv" for n in sorted(scales)]
@@ -108,7 +117,11 @@ def build_model(
     device: torch.device,
 ) -> DecoderModel:
     if cfg.quantization == "fp8":
-        weights = dequantize_fp8_blocks(weights, cfg.quant_block)
+        # Routed experts (most of a MoE model's bytes) stay FP8; the rest is dequantized.
+        keep = None if cfg.moe is None else ROUTED_EXPERT
+        if cfg.moe is not None:
+            cfg = replace(cfg, moe=replace(cfg.moe, fp8_block=cfg.quant_block))
+        weights = dequantize_fp8_blocks(weights, cfg.quant_block, keep)
     elif cfg.quantization == "compressed-tensors":
         if cfg.moe is None:
             raise ValueError("INT4 compressed-tensors weights are supported for the routed "

@@ -1,5 +1,5 @@
 """The grouped-GEMM MoE kernels compiled on CUDA: the interpreter cases of tests/layers/ (fp32,
-bf16, dense and INT4 experts), and a CUDA graph captured over routing A and replayed on routing
+bf16, dense, INT4 and FP8 experts), and a CUDA graph captured over routing A and replayed on routing
 B (other experts, other weights, the same batch size) gives B's result, so nothing about the
 routing is baked in and no host sync sits in the forward. Skips without CUDA or triton."""
 
@@ -27,6 +27,12 @@ def test_fused_experts_match_eager_on_cuda(case, dtype):
 @pytest.mark.parametrize("case", [c for c in CASES if c[4] % 16 == 0])
 def test_int4_experts_match_eager_on_cuda(case, dtype):
     check_fused_experts(case, dtype, "cuda", group=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] % 16 == 0 and c[4] % 16 == 0])
+def test_fp8_experts_match_eager_on_cuda(case, dtype):
+    check_fused_experts(case, dtype, "cuda", fp8_block=16)
 
 
 def test_graph_replay_follows_new_routing():

@@ -1,7 +1,8 @@
 """Cases for the grouped-GEMM MoE (`layers/fused_moe.py`), shared by the CPU interpreter tests
 and tests/gpu/: the fused result against pair-by-pair eager expert MLPs, rounded where the
 eager path rounds; INT4 experts against the same MLPs on `dequantize_int4`'s weights (which
-tests/models/test_int4_checkpoints.py checks against the compressed-tensors format)."""
+tests/models/test_int4_checkpoints.py checks against the compressed-tensors format), FP8
+experts on their block-scaled weights."""
 
 from __future__ import annotations
 
@@ -54,7 +55,29 @@ def stack_int4(gate_up: torch.Tensor, down: torch.Tensor, group: int) -> Stacked
     return StackedExperts(w13, w2, s13, s2, group)
 
 
-def dequantized(experts: StackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] (multiples of block) -> (float8 weight, float32 scales per block)."""
+    rows, cols = w.shape
+    blocks = w.float().view(rows // block, block, cols // block, block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return (w.float() / full).to(torch.float8_e4m3fn), scale
+
+
+def stack_fp8(gate_up: torch.Tensor, down: torch.Tensor, block: int) -> StackedExperts:
+    (w13, s13), (w2, s2) = ([torch.stack(t) for t in zip(*(quantize_fp8(w, block) for w in ws))]
+                            for ws in (gate_up, down))
+    return StackedExperts(w13, w2, s13, s2, fp8_block=(block, block))
+
+
+def dequantized(experts: StackedExperts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' weights in `dtype`, dequantized as the eager path does."""
+    if experts.fp8_block:
+        bo, bi = experts.fp8_block
+        return tuple(
+            (w.float() * s.repeat_interleave(bo, 1).repeat_interleave(bi, 2)).to(dtype)
+            for w, s in ((experts.gate_up, experts.gate_up_scale),
+                         (experts.down, experts.down_scale)))
     if not experts.group:
         return experts.gate_up, experts.down
     assert experts.gate_up_scale is not None and experts.down_scale is not None
@@ -64,7 +87,7 @@ def dequantized(experts: StackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_fused_experts(case, dtype: torch.dtype, device: str, seed: int = 0,
-                        group: int = 0) -> None:
+                        group: int = 0, fp8_block: int = 0) -> None:
     from flashtree.layers.fused_moe import fused_experts
 
     n, num_experts, top_k, hidden, inter, first, local = case
@@ -79,9 +102,10 @@ def check_fused_experts(case, dtype: torch.dtype, device: str, seed: int = 0,
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(n)])
     weights = torch.rand(n, top_k, generator=gen)
     ids, weights = ids.to(device), weights.to(device)
-    experts = stack_int4(w13, w2, group) if group else StackedExperts(w13, w2)
+    experts = (stack_int4(w13, w2, group) if group else
+               stack_fp8(w13, w2, fp8_block) if fp8_block else StackedExperts(w13, w2))
     got = fused_experts(x, experts, weights, ids, first)
-    want = eager_experts(x, *dequantized(experts), weights, ids, first)
+    want = eager_experts(x, *dequantized(experts, dtype), weights, ids, first)
     assert got.shape == want.shape and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = (got.float() - want.float()).abs().max().item()

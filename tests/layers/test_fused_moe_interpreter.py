@@ -28,3 +28,9 @@ def test_fused_experts_match_eager(case, dtype):
 @pytest.mark.parametrize("case", [c for c in CASES if c[4] % 16 == 0])
 def test_int4_experts_match_eager_on_their_dequantized_weights(case, dtype):
     check_fused_experts(case, dtype, "cpu", group=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] % 16 == 0 and c[4] % 16 == 0])
+def test_fp8_experts_match_eager_on_their_dequantized_weights(case, dtype):
+    check_fused_experts(case, dtype, "cpu", fp8_block=16)

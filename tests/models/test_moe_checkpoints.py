@@ -70,9 +70,10 @@ def _quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / full).to(torch.float8_e4m3fn), scale
 
 
-def test_fp8_block_checkpoint_dequantized_at_load(ds, tmp_path):
+def test_fp8_block_checkpoint(ds, tmp_path):
     """Every projection stored as float8 + weight_scale_inv in 16x16 blocks (several shapes do
-    not divide by 16); the reference is transformers' model holding the dequantized weights."""
+    not divide by 16); the reference is transformers' model holding the dequantized weights.
+    The routed experts stay float8 with their scales; the rest is dequantized at load."""
     path, hf = ds
     import transformers as tf
 
@@ -110,6 +111,42 @@ def test_fp8_block_checkpoint_dequantized_at_load(ds, tmp_path):
     # And the quantization really changed the weights (the comparison is not vacuous).
     plain = (_logits(tmp_path) - reference_logits(hf, PROMPT)).abs().max().item()
     assert plain > 1e-3, plain
+    model, _ = load_hf_model(tmp_path, torch.bfloat16, CPU)
+    moe = model.layers[1].mlp
+    gate_up, down = moe.experts["0"].gate_up_proj, moe.experts["0"].down_proj
+    assert gate_up.weight.dtype == down.weight.dtype == torch.float8_e4m3fn
+    assert gate_up.weight_scale_inv.shape == (2, 2) and down.weight_scale_inv.shape == (2, 1)
+    assert gate_up.weight_scale_inv.dtype == torch.float32
+    assert moe.stacked.gate_up.dtype == torch.float8_e4m3fn and moe.stacked.fp8_block == (16, 16)
+    assert model.layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
+
+
+def test_fp8_experts_split_in_whole_blocks(monkeypatch):
+    """Tensor parallelism slices FP8 experts along whole scale blocks, or refuses."""
+    import flashtree.layers.moe as moe
+
+    monkeypatch.setattr(moe, "get_moe_tp", lambda: (0, 2))  # rank 0 of an expert's 2 slices
+    with pytest.raises(ValueError, match="8 intermediate rows or columns per rank do not split "
+                                         "into whole 16x16 blocks"):
+        moe._ExpertLinear(32, 16, 2, split_dim=0, fp8_block=(16, 16))
+    monkeypatch.setattr(moe, "get_moe_tp", lambda: (1, 2))  # rank 1: the second half
+    down = moe._ExpertLinear(32, 64, 1, split_dim=1, fp8_block=(16, 16))  # [hidden, inter]
+    gate_up = moe._ExpertLinear(32, 64, 2, split_dim=0, fp8_block=(16, 16))
+    weights = {}
+    for name, full in (("down", (32, 64)), ("gate", (64, 32)), ("up", (64, 32))):
+        weights[name] = _quantize(torch.randn(full), 16)
+    down.load_shard("down.weight", weights["down"][0])
+    down.load_shard("down.weight_scale_inv", weights["down"][1])
+    for shard, name in enumerate(("gate", "up")):
+        gate_up.load_shard(f"{name}.weight", weights[name][0], shard)
+        gate_up.load_shard(f"{name}.weight_scale_inv", weights[name][1], shard)
+
+    def dequantized(name):
+        q, scale = weights[name]
+        return q.float() * scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
+    assert torch.equal(down.matrix(), dequantized("down")[:, 32:])
+    assert torch.equal(gate_up.matrix(), torch.cat([dequantized("gate")[32:],
+                                                    dequantized("up")[32:]]))
 
 
 def _set_fused_experts(ref, dequantized: dict[str, torch.Tensor]) -> None:
