@@ -2,8 +2,9 @@
 experts: per linear `weight_packed` int32 [out, in / 8] (eight 4-bit values per word, lowest bits
 first, each stored as value + 8), `weight_scale` [out, in / group] (one scale per `group` input
 columns, symmetric: no zero point) and `weight_shape` [2]. The weights stay packed in memory;
-`dequantize_int4` is the reference path (CPU, and GPU until a fused kernel takes it), unpacking
-a whole matrix to the scale's dtype before its matmul."""
+`dequantize_int4` unpacks a whole matrix to the scale's dtype before its matmul (the CPU path
+and the reference), while on CUDA the grouped-GEMM kernels (`layers/fused_moe.py`) unpack
+their tiles."""
 
 from __future__ import annotations
 

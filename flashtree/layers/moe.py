@@ -216,8 +216,7 @@ class SparseMoE(nn.Module):
             SharedMLP(hidden, cfg.intermediate_size * cfg.num_shared_experts)
             if cfg.num_shared_experts else None
         )
-
-        self.stacked: StackedExperts | None = None
+        self.stacked: StackedExperts | None = None  # set once the weights are loaded
 
     def owns(self, expert: int) -> bool:
         return self.first_expert <= expert < self.first_expert + self.num_local
