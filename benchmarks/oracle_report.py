@@ -4,7 +4,12 @@ SGLang's published points (`benchmarks/oracle_bench.py` writes the JSON these re
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.sweep_summary import mean_interval  # noqa: E402
 
 PAPER_DDTREE_TAU = 9.54  # DDTree paper, Qwen3-8B on GSM8K: 6.57 -> 9.54
 # (acceptance, speedup over autoregressive, source) published for Qwen3-8B.
@@ -57,6 +62,11 @@ def summary(res: dict) -> dict:
         if spec_over_none:
             out.update(min_spec_over_none=min(spec_over_none),
                        min_adaptive_over_best_fixed=min(adaptive_over_fixed))
+        lows = [interval[0] for spec in ("dflash", "ddtree") if spec in sw["rows"]
+                for i in range(len(sw["levels"]))
+                if (interval := mean_interval(_round_ratios(sw, spec, i))) is not None]
+        if lows:  # the adaptive methods' lowest 95% lower bound over `none`
+            out["min_spec_over_none_low"] = float(min(lows))
     return out
 
 
@@ -157,7 +167,30 @@ def _sweep_lines(sw: dict | None) -> list[str]:
             runs = [r["tokens_per_s"] for r in sw["rows"][name][i]["runs"]]
             cells.append(f"{sum(runs) / len(runs):.0f} [{min(runs):.0f}-{max(runs):.0f}]")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    specs = [n for n in names if n != "none"]
+    if "none" not in names or not specs:
+        return lines + [""]
+    lines += ["", "Over `none`, round by round: mean (95% interval of the mean; where it holds 1.0 "
+              "the rounds do not tell the method from `none`)", "",
+              "| concurrency | " + " | ".join(specs) + " |", "|---" * (len(specs) + 1) + "|"]
+    for i, c in enumerate(sw["levels"]):
+        cells = []
+        for name in specs:
+            ratios = _round_ratios(sw, name, i)
+            interval = mean_interval(ratios) if ratios else None
+            cells.append("-" if not ratios else f"{sum(ratios) / len(ratios):.2f}" + (
+                "" if interval is None else f" ({interval[0]:.2f}-{interval[1]:.2f})"))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def _round_ratios(sw: dict, name: str, level: int) -> list[float]:
+    """Tokens/s of `name` over `none` at the level-th concurrency, round j over round j."""
+    rows, plain = sw["rows"][name], sw["rows"]["none"]
+    if level >= len(rows) or level >= len(plain):
+        return []
+    return [a["tokens_per_s"] / b["tokens_per_s"]
+            for a, b in zip(rows[level]["runs"], plain[level]["runs"])]
 
 
 def _pair_lines(pair: dict | None) -> list[str]:

@@ -40,3 +40,23 @@ def test_oracle_bench_concurrency_one_on_a_tiny_pair(tmp_path):
         assert res[key] > 0
     report = out.with_suffix(".md").read_text()
     assert "| `dflash_over_none_c1` |" in report and "paper-DDTree" in report
+
+
+def test_sweep_report_pairs_rounds_and_gives_intervals():
+    """Each method's tokens/s over `none` is taken round by round; the report gives the mean and
+    its 95% interval, and the summary the lowest lower bound of the adaptive methods."""
+    from benchmarks.oracle_report import report, summary
+
+    def runs(*rates):
+        return [{"concurrency": 1, "runs": [{"tokens_per_s": r} for r in rates]}]
+    sw = {"levels": [1], "ddtree_budget": 15, "tokens": 128, "rounds": 3, "rows": {
+        "none": runs(100, 200, 100), "dflash:fixed": runs(300, 600, 300),
+        "dflash": runs(110, 180, 120)}}
+    keys = summary({"sweep": sw})
+    assert math.isclose(keys["min_spec_over_none"], (110 + 180 + 120) / 400)
+    ratios = [1.1, 0.9, 1.2]  # round j over round j, not means over means
+    mean = sum(ratios) / 3
+    half = 4.302653 * (sum((r - mean) ** 2 for r in ratios) / 2) ** 0.5 / 3 ** 0.5  # t(0.975, 2)
+    assert math.isclose(keys["min_spec_over_none_low"], mean - half, rel_tol=1e-5)
+    text = report({"sweep": sw})
+    assert f"| 1 | 3.00 (3.00-3.00) | {mean:.2f} ({mean - half:.2f}-{mean + half:.2f}) |" in text
