@@ -55,6 +55,13 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
     return JSONResponse(body, status_code=status)
 
 
+def _field_path(loc: tuple) -> str:
+    """The request field an error is about, as OpenAI names it in `param` ("messages.0.content"),
+    without pydantic's `body` root and type-union branches."""
+    return ".".join(str(x) for x in loc[1:] if not (isinstance(x, str) and (
+        x in ("str", "int", "function-after") or "[" in x)))
+
+
 def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
     app = FastAPI(title="flashtree", version="0.1.0")
 
@@ -64,11 +71,16 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, e: RequestValidationError):
-        problems = []
+        problems, params = [], []
         for err in e.errors():
-            where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            if err.get("type") == "json_invalid":
+                detail = (err.get("ctx") or {}).get("error", "")
+                return _error(400, f"the request body is not valid JSON ({detail} at character "
+                                   f"{err['loc'][-1]}); send one JSON object")
+            where = _field_path(err.get("loc", ()))
+            params.append(where)
             problems.append(f"{where or 'body'}: {err.get('msg')}")
-        return _error(400, "invalid request: " + "; ".join(problems))
+        return _error(400, "invalid request: " + "; ".join(problems), params[0] or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, e: StarletteHTTPException):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flashtree.sampling import SamplingParams
 
@@ -21,6 +21,7 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
@@ -36,6 +37,16 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None  # accepted and not used, as OpenAI stores it
+
+    @model_validator(mode="after")
+    def _one_token_limit(self):
+        given = {self.max_tokens, self.max_completion_tokens} - {None}
+        if len(given) > 1:
+            raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens="
+                             f"{self.max_completion_tokens} disagree; give one of them")
+        self.max_tokens = self.max_tokens or self.max_completion_tokens
+        return self
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -54,7 +65,21 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
-    content: str
+    # A string, or a list of text parts ({"type": "text", "text": ...}) joined by newlines.
+    content: str | list[dict]
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content: str | list[dict]) -> str:
+        if isinstance(content, str):
+            return content
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {part.get('type')!r} is not supported; allowed: "
+                                 f"strings and parts {{'type': 'text', 'text': '...'}}")
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(_SamplingFields):

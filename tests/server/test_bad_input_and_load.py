@@ -29,7 +29,12 @@ def _still_serving(base):
 
 
 BAD = [
-    ("/v1/completions", b"{not json", 400, "JSON"),
+    ("/v1/completions", b"{not json", 400, "not valid JSON (expecting property name enclosed in "
+     "double quotes at character 1)"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4,
+                         "max_completion_tokens": 5}, 400, "disagree; give one of them"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_completion_tokens": 1000}, 400,
+     "limit"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temprature": 0.5}, 400, "temprature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),

@@ -1,5 +1,6 @@
 """The server through the official `openai` client: chat and completions, streaming identical
-to non-streaming at temperature 0, usage counts, seeds, the API key, and metrics that move."""
+to non-streaming at temperature 0, usage counts, seeds, the API key, metrics that move, the
+request shapes newer clients send, and errors naming the field at fault in `param`."""
 
 from __future__ import annotations
 
@@ -97,3 +98,31 @@ def test_metrics_counters_move(client, server):
     for name, value in before.items():
         assert metric(base, name) > value, name
     assert metric(base, "flashtree:kv_cache_usage_perc") == 0.0
+
+
+def test_request_shapes_clients_send_today(client):
+    """Text parts as message content (joined by newlines, as a string of them would be),
+    max_completion_tokens for max_tokens, user and metadata: the same answer as the plain
+    request shape."""
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about\nthe sea."}],
+        max_tokens=6, temperature=0)
+    parts = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Tell me about"}, {"type": "text", "text": "the sea."}]}],
+        max_completion_tokens=6, temperature=0, user="u-1", metadata={"team": "a"},
+        stream_options=None)
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.completion_tokens == plain.usage.completion_tokens <= 6
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_errors_name_the_field_in_param(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    assert e.value.body["param"] == "messages.0.content"
+    assert "'image_url' is not supported; allowed: strings and parts" in e.value.body["message"]
