@@ -23,22 +23,27 @@ def metrics_url(base_url: str) -> str:
 
 
 def spec_counters(text: str) -> dict[str, float] | None:
-    """Speculative counters in a Prometheus exposition (flashtree: or vllm: prefix):
-    {"drafts", "accepted", "pos0", "pos1", ...}; None when the server exports none."""
+    """Speculative counters in a Prometheus exposition: {"drafts", "accepted", "pos0", "pos1",
+    ...} under the flashtree: prefix, else the vllm: one (flashtree exports both); None when the
+    server exports neither."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    found: dict[str, float] = {}
+    by_prefix: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = sample.name.split(":")[-1].removesuffix("_total")
-            if name == _DRAFTS:
-                found["drafts"] = found.get("drafts", 0.0) + sample.value
-            elif name == _ACCEPTED:
-                found["accepted"] = found.get("accepted", 0.0) + sample.value
-            elif name == _PER_POS and "position" in sample.labels:
-                key = f"pos{sample.labels['position']}"
+            prefix, _, name = sample.name.rpartition(":")
+            name = name.removesuffix("_total")
+            key = ("drafts" if name == _DRAFTS else "accepted" if name == _ACCEPTED else
+                   f"pos{sample.labels['position']}" if name == _PER_POS
+                   and "position" in sample.labels else None)
+            if key is not None:
+                found = by_prefix.setdefault(prefix, {})
                 found[key] = found.get(key, 0.0) + sample.value
-    return found if "drafts" in found and "accepted" in found else None
+    for prefix in ("flashtree", *sorted(by_prefix)):
+        found = by_prefix.get(prefix, {})
+        if "drafts" in found and "accepted" in found:
+            return found
+    return None
 
 
 def acceptance_from_counters(before: dict, after: dict) -> tuple[float, dict[str, int]] | None:

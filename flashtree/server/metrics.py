@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM-style names (prefix `flashtree:`)."""
+"""Prometheus metrics with vLLM-style names (prefix `flashtree:`; the speculative counters also
+under vLLM's own `vllm:` names, which dashboards built for vLLM read)."""
 
 from __future__ import annotations
 
@@ -27,20 +28,21 @@ class ServerMetrics:
         self.waiting = Gauge("flashtree:num_requests_waiting", "Requests waiting", registry=r)
         self.kv_usage = Gauge("flashtree:kv_cache_usage_perc", "KV cache pages in use (0-1)",
                               registry=r)
-        self.drafts = Gauge("flashtree:spec_decode_num_drafts", "Speculative verify rounds",
-                            registry=r)
-        self.draft_tokens = Gauge("flashtree:spec_decode_num_draft_tokens",
-                                  "Candidate tokens verified", registry=r)
-        self.accepted = Gauge("flashtree:spec_decode_num_accepted_tokens",
-                              "Candidate tokens accepted", registry=r)
-        self.accepted_per_pos = Gauge("flashtree:spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted candidates by depth", ["position"], registry=r)
-        self.budgets = Gauge("flashtree:spec_decode_budget_request_steps",
-                             "Request-steps by the draft budget chosen (0: plain decoding)",
-                             ["budget"], registry=r)
-        self.speculative_steps = Gauge("flashtree:spec_decode_speculative_steps",
-                                       "Decode steps that drafted, by the step's number of "
-                                       "requests", ["batch"], registry=r)
+        # Speculative totals: counters under flashtree's names and vLLM's, moved at each scrape
+        # by what the engine's cumulative stats gained since the last one.
+        self.drafts = _Totals(r, "spec_decode_num_drafts", "Speculative verify rounds")
+        self.draft_tokens = _Totals(r, "spec_decode_num_draft_tokens",
+                                    "Candidate tokens verified")
+        self.accepted = _Totals(r, "spec_decode_num_accepted_tokens",
+                                "Candidate tokens accepted")
+        self.accepted_per_pos = _Totals(r, "spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted candidates by depth", "position")
+        self.budgets = _Totals(r, "spec_decode_budget_request_steps",
+                               "Request-steps by the draft budget chosen (0: plain decoding)",
+                               "budget", vllm=False)
+        self.speculative_steps = _Totals(r, "spec_decode_speculative_steps",
+                                         "Decode steps that drafted, by the step's number of "
+                                         "requests", "batch", vllm=False)
 
     def observe_finished(self, req, now: float) -> None:
         seq = req.seq
@@ -61,12 +63,30 @@ class ServerMetrics:
         self.kv_usage.set(1 - pages.num_free / pages.num_pages)
         if engine.speculative is not None:
             stats = engine.speculative.stats
-            self.drafts.set(stats.num_drafts)
-            self.draft_tokens.set(stats.num_draft_tokens)
-            self.accepted.set(stats.num_accepted_tokens)
-            for pos, count in enumerate(stats.accepted_per_pos):
-                self.accepted_per_pos.labels(str(pos)).set(count)
-            for budget, count in stats.budgets.items():
-                self.budgets.labels(str(budget)).set(count)
-            for batch, count in stats.speculative_steps.items():
-                self.speculative_steps.labels(str(batch)).set(count)
+            self.drafts.sync({"": stats.num_drafts})
+            self.draft_tokens.sync({"": stats.num_draft_tokens})
+            self.accepted.sync({"": stats.num_accepted_tokens})
+            self.accepted_per_pos.sync({str(p): c for p, c in enumerate(stats.accepted_per_pos)})
+            self.budgets.sync({str(b): c for b, c in stats.budgets.items()})
+            self.speculative_steps.sync({str(b): c for b, c in stats.speculative_steps.items()})
+
+
+class _Totals:
+    """A Prometheus counter (`flashtree:NAME`, and `vllm:NAME` unless `vllm=False`) following a
+    cumulative total kept elsewhere, optionally per value of one label."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, doc: str, label: str | None = None,
+                 vllm: bool = True) -> None:
+        labels = [label] if label else []
+        self.counters = [Counter(f"{prefix}:{name}", doc, labels, registry=registry)
+                         for prefix in (("flashtree", "vllm") if vllm else ("flashtree",))]
+        self.seen: dict[str, float] = {}
+
+    def sync(self, totals: dict[str, float]) -> None:
+        """Move the counters up to `totals` (label value -> total; "" without a label)."""
+        for key, total in totals.items():
+            gained = total - self.seen.get(key, 0)
+            if gained > 0:
+                for counter in self.counters:
+                    (counter.labels(key) if key else counter).inc(gained)
+                self.seen[key] = total

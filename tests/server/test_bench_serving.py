@@ -5,6 +5,7 @@ baseline in the same output folder gives the later label its speedups."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -76,14 +77,14 @@ def test_metrics_count_the_speculative_steps_of_a_lone_request_at_batch_1(server
     from openai import OpenAI
 
     base, _ = server
-    names = ('flashtree:spec_decode_speculative_steps{batch="1"}',
-             "flashtree:spec_decode_num_drafts")
+    names = ('flashtree:spec_decode_speculative_steps_total{batch="1"}',
+             "flashtree:spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total")
     before = [metric(base, n) for n in names]
     OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0).completions.create(
         model=MODEL, prompt="Count", max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"ignore_eos": True})
-    steps, drafts = (metric(base, n) - b for n, b in zip(names, before))
-    assert 1 <= steps <= MAX_TOKENS - 1 and steps == drafts
+    steps, drafts, vllm_drafts = (metric(base, n) - b for n, b in zip(names, before))
+    assert 1 <= steps <= MAX_TOKENS - 1 and steps == drafts == vllm_drafts
 
 
 def test_chat_dataset_streams_through_the_chat_endpoint(server, tmp_path):
@@ -95,11 +96,16 @@ def test_counters_parse_flashtree_and_vllm_expositions():
     from prometheus_client import generate_latest
 
     m = ServerMetrics()
-    m.drafts.set(10)
-    m.accepted.set(14)
-    for pos, count in enumerate([6, 5, 3]):
-        m.accepted_per_pos.labels(str(pos)).set(count)
-    after = spec_counters(generate_latest(m.registry).decode())
+    m.drafts.sync({"": 4})
+    m.drafts.sync({"": 10})  # cumulative totals: the counter moves by what they gained
+    m.accepted.sync({"": 14})
+    m.accepted_per_pos.sync({str(pos): count for pos, count in enumerate([6, 5, 3])})
+    text = generate_latest(m.registry).decode()
+    assert re.search(r"# TYPE flashtree:spec_decode_num_drafts(_total)? counter", text)
+    assert "flashtree:spec_decode_num_drafts_total 10.0" in text
+    assert "vllm:spec_decode_num_drafts_total 10.0" in text
+    after = spec_counters(text)  # flashtree's own series, not both prefixes summed
+    assert after is not None and after["drafts"] == 10 and after["pos0"] == 6
     before = {"drafts": 0.0, "accepted": 0.0}
     mean, hist = acceptance_from_counters(before, after)
     assert mean == pytest.approx(2.4)

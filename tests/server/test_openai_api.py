@@ -88,11 +88,11 @@ def test_api_key_is_enforced(server):
 def test_metrics_counters_move(client, server):
     base = server[0]
     # The adaptive policy may decode this request plainly (budget 0), so the draft counters
-    # need not move; every decode step counts in the budget gauge (tests/server/
+    # need not move; every decode step counts in the budget counter (tests/server/
     # test_bench_serving.py checks the draft counters on a fixed-policy server).
     before = {n: metric(base, n) for n in (
         "flashtree:generation_tokens_total", "flashtree:e2e_request_latency_seconds_count",
-        "flashtree:spec_decode_budget_request_steps")}
+        "flashtree:spec_decode_budget_request_steps_total")}
     client.completions.create(model=MODEL, prompt="Count", max_tokens=12, temperature=0,
                               extra_body={"ignore_eos": True})
     for name, value in before.items():
