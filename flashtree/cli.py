@@ -158,7 +158,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from flashtree import LLM
     from flashtree.engine.heap import freeze_startup_heap
-    from flashtree.server.app import ServerConfig, ServerState, build_app, load_in_background
+    from flashtree.server.app import (
+        DrainingServer,
+        ServerConfig,
+        ServerState,
+        build_app,
+        load_in_background,
+    )
 
     cfg = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                        max_request_bytes=args.max_request_bytes,
@@ -178,8 +184,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     load_in_background(state, make_llm)
     # SIGTERM: uvicorn stops accepting connections and lets running requests finish.
-    server = uvicorn.Server(uvicorn.Config(build_app(cfg, state), host=args.host, port=args.port,
-                                           log_level="info", timeout_graceful_shutdown=60))
+    server = DrainingServer(uvicorn.Config(build_app(cfg, state), host=args.host,
+                                            port=args.port, log_level="info",
+                                            timeout_graceful_shutdown=60))
     state.stop_server = lambda: setattr(server, "should_exit", True)
     server.run()
     if state.engine is not None:

@@ -3,6 +3,7 @@ with a 4xx status that says what was wrong; the engine keeps serving everything 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import threading
@@ -11,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,6 +55,19 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn re-raises a SIGTERM it caught once it has drained, which would end the process
+    before the engine shuts down, with the signal's status instead of 0: here it does not."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
 
 
 def _field_path(loc: tuple) -> str:

@@ -4,7 +4,6 @@ exits cleanly."""
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 
@@ -38,8 +37,7 @@ def test_health_is_503_until_loaded_then_sigterm_drains_and_exits(tiny_chat_mode
     proc.terminate()  # SIGTERM
     reader.join(120)
     assert chunks[-1] == "[DONE]", "the running stream was cut off"
-    # uvicorn re-raises SIGTERM once it has drained, so the exit status reports the signal.
-    assert proc.wait(timeout=90) in (0, -signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0  # drained, engine shut down, a clean exit
     started = time.time()
     while time.time() - started < 5:
         try:
