@@ -81,15 +81,19 @@ def build_layer(shape: str, device: torch.device, dtype: torch.dtype) -> SparseM
     return layer
 
 
+def expert_bytes(layer: SparseMoE) -> int:
+    """Weight bytes of one routed expert as the layer holds it."""
+    return sum(p.numel() * p.element_size()
+               for n, p in next(iter(layer.experts.values())).named_parameters()
+               if not n.endswith("weight_shape"))
+
+
 def floor_bytes(layer: SparseMoE, ids: torch.Tensor) -> int:
     """Weight bytes one forward must read: the distinct routed experts touched, the router, the
     shared experts."""
-    per_expert = sum(p.numel() * p.element_size()
-                     for n, p in next(iter(layer.experts.values())).named_parameters()
-                     if not n.endswith("weight_shape"))
     rest = sum(p.numel() * p.element_size() for n, p in layer.named_parameters()
                if not n.startswith("experts."))
-    return ids.unique().numel() * per_expert + rest
+    return ids.unique().numel() * expert_bytes(layer) + rest
 
 
 def measure(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
@@ -137,9 +141,7 @@ def measure_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
     touched = ExpertsTouched(model)
     dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if ".experts." not in n and not n.startswith("embed_tokens"))
-    expert = next(m for m in model.modules() if isinstance(m, SparseMoE))
-    per_expert = sum(p.numel() * p.element_size()
-                     for p in next(iter(expert.experts.values())).parameters())
+    per_expert = expert_bytes(next(m for m in model.modules() if isinstance(m, SparseMoE)))
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     rows = []
     with Scratch(llm) as s, torch.inference_mode():

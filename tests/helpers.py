@@ -167,3 +167,16 @@ def record_schedules(engine) -> list[list]:
 def ran_mixed_steps(steps: list[list]) -> bool:
     """Whether any of `record_schedules`'s steps carried prompt chunks and decode tokens."""
     return any(step_kind(chunks) == "mixed" for chunks in steps)
+
+
+def fp8_block_quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-style e4m3 block quantization of w [out, in]: (float8 weight, float32 scales
+    [ceil(out / block), ceil(in / block)], one amax / 448 per block)."""
+    out, inp = w.shape
+    rows, cols = -(-out // block), -(-inp // block)
+    pad = torch.zeros(rows * block, cols * block, device=w.device)
+    pad[:out, :inp] = w
+    blocks = pad.view(rows, block, cols, block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # [rows, cols]
+    full = scale.repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from flashtree.layers.int4 import dequantize_int4
 from flashtree.layers.moe_align import StackedExperts
+from tests.helpers import fp8_block_quantize
 
 # (tokens, experts in the model, top_k, hidden, inter, this rank's first expert and count)
 CASES = [
@@ -49,25 +50,12 @@ def pack_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32), scale
 
 
-def stack_int4(gate_up: torch.Tensor, down: torch.Tensor, group: int) -> StackedExperts:
-    (w13, s13), (w2, s2) = ([torch.stack(t) for t in zip(*(pack_int4(w, group) for w in ws))]
+def stack_quantized(gate_up: torch.Tensor, down: torch.Tensor, quantize
+                    ) -> tuple[torch.Tensor, ...]:
+    """`quantize(w) -> (weight, scale)` over each expert: (gate_up, down, their scales)."""
+    (w13, s13), (w2, s2) = ([torch.stack(t) for t in zip(*(quantize(w) for w in ws))]
                             for ws in (gate_up, down))
-    return StackedExperts(w13, w2, s13, s2, group)
-
-
-def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, cols] (multiples of block) -> (float8 weight, float32 scales per block)."""
-    rows, cols = w.shape
-    blocks = w.float().view(rows // block, block, cols // block, block)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    return (w.float() / full).to(torch.float8_e4m3fn), scale
-
-
-def stack_fp8(gate_up: torch.Tensor, down: torch.Tensor, block: int) -> StackedExperts:
-    (w13, s13), (w2, s2) = ([torch.stack(t) for t in zip(*(quantize_fp8(w, block) for w in ws))]
-                            for ws in (gate_up, down))
-    return StackedExperts(w13, w2, s13, s2, fp8_block=(block, block))
+    return w13, w2, s13, s2
 
 
 def dequantized(experts: StackedExperts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,8 +90,13 @@ def check_fused_experts(case, dtype: torch.dtype, device: str, seed: int = 0,
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(n)])
     weights = torch.rand(n, top_k, generator=gen)
     ids, weights = ids.to(device), weights.to(device)
-    experts = (stack_int4(w13, w2, group) if group else
-               stack_fp8(w13, w2, fp8_block) if fp8_block else StackedExperts(w13, w2))
+    if group:
+        experts = StackedExperts(*stack_quantized(w13, w2, lambda w: pack_int4(w, group)), group)
+    elif fp8_block:
+        experts = StackedExperts(*stack_quantized(
+            w13, w2, lambda w: fp8_block_quantize(w, fp8_block)), fp8_block=(fp8_block,) * 2)
+    else:
+        experts = StackedExperts(w13, w2)
     got = fused_experts(x, experts, weights, ids, first)
     want = eager_experts(x, *dequantized(experts, dtype), weights, ids, first)
     assert got.shape == want.shape and got.dtype == dtype

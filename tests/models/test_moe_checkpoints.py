@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashtree.models.loader import dequantize_fp8_blocks, load_hf_model
-from tests.helpers import reference_logits
+from tests.helpers import fp8_block_quantize, reference_logits
 from tests.tiny import save_tiny_deepseek_v3
 
 PROMPT = [3, 17, 42, 5, 88, 1, 9, 60, 33]
@@ -58,18 +58,6 @@ def test_kimi_k25_wrapper_and_language_model_prefix(ds, tmp_path):
     assert err < 1e-4, err
 
 
-def _quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-style e4m3 block quantization: one scale (amax / 448) per block."""
-    out, inp = w.shape
-    rows, cols = -(-out // block), -(-inp // block)
-    pad = torch.zeros(rows * block, cols * block)
-    pad[:out, :inp] = w
-    blocks = pad.view(rows, block, cols, block)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # [rows, cols]
-    full = scale.repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
-    return (w / full).to(torch.float8_e4m3fn), scale
-
-
 def test_fp8_block_checkpoint(ds, tmp_path):
     """Every projection stored as float8 + weight_scale_inv in 16x16 blocks (several shapes do
     not divide by 16); the reference is transformers' model holding the dequantized weights.
@@ -82,7 +70,7 @@ def test_fp8_block_checkpoint(ds, tmp_path):
     quantized, dequantized = {}, {}
     for name, w in tensors.items():
         if name.endswith("_proj.weight") or name.endswith("_with_mqa.weight"):
-            q, scale = _quantize(w, 16)
+            q, scale = fp8_block_quantize(w, 16)
             quantized[name], quantized[f"{name}_scale_inv"] = q, scale
             dequantized[name] = q.float() * scale.repeat_interleave(16, 0)[: w.shape[0]] \
                 .repeat_interleave(16, 1)[:, : w.shape[1]]
@@ -134,7 +122,7 @@ def test_fp8_experts_split_in_whole_blocks(monkeypatch):
     gate_up = moe._ExpertLinear(32, 64, 2, split_dim=0, fp8_block=(16, 16))
     weights = {}
     for name, full in (("down", (32, 64)), ("gate", (64, 32)), ("up", (64, 32))):
-        weights[name] = _quantize(torch.randn(full), 16)
+        weights[name] = fp8_block_quantize(torch.randn(full), 16)
     down.load_shard("down.weight", weights["down"][0])
     down.load_shard("down.weight_scale_inv", weights["down"][1])
     for shard, name in enumerate(("gate", "up")):
