@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import random
 import sys
@@ -136,8 +137,10 @@ def measure_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
     touch, and the KV read."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model, cfg = random_target(MODEL_SHAPES[shape], dtype, device)
-    llm = LLM.from_modules(model, cfg, max_num_seqs=max(BATCHES),
-                           max_model_len=args.ctx + 128)
+    max_len = args.ctx + 128
+    # Every case's scratch requests hold their pages at once: all decode batches, two verifies.
+    llm = LLM.from_modules(model, cfg, max_num_seqs=max(BATCHES), max_model_len=max_len,
+                           kv_cache_pages=(sum(BATCHES) + 2) * math.ceil(max_len / 16))
     touched = ExpertsTouched(model)
     dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if ".experts." not in n and not n.startswith("embed_tokens"))

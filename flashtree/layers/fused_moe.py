@@ -24,17 +24,21 @@ def _weight_tile(w, s, rows, k, mask, stride_wn, stride_sn, GROUP: tl.constexpr,
     # The [k, rows] tile of a [rows, k] weight: dense; INT4 (GROUP > 0) packed eight to an
     # int32 along k, lowest bits first, value + 8, times one scale per GROUP columns; or FP8
     # (BO > 0) times one scale per BO x BI block.
+    # One return at the end: compiled Triton type-checks code after an early return too.
     if BO > 0:
         weight = tl.load(w + rows[None, :] * stride_wn + k[:, None], mask=mask, other=0.0)
         scale = tl.load(s + (rows[None, :] // BO) * stride_sn + k[:, None] // BI, mask=mask,
                         other=0.0)
-        return (weight.to(tl.float32) * scale).to(dtype)
-    if GROUP == 0:
-        return tl.load(w + rows[None, :] * stride_wn + k[:, None], mask=mask, other=0.0)
-    words = tl.load(w + rows[None, :] * stride_wn + k[:, None] // 8, mask=mask, other=0)
-    values = ((words >> ((k[:, None] % 8) * 4)) & 0xF) - 8
-    scale = tl.load(s + rows[None, :] * stride_sn + k[:, None] // GROUP, mask=mask, other=0.0)
-    return (values.to(tl.float32) * scale.to(tl.float32)).to(dtype)
+        tile = (weight.to(tl.float32) * scale).to(dtype)
+    elif GROUP == 0:
+        tile = tl.load(w + rows[None, :] * stride_wn + k[:, None], mask=mask, other=0.0)
+    else:
+        words = tl.load(w + rows[None, :] * stride_wn + k[:, None] // 8, mask=mask, other=0)
+        values = ((words >> ((k[:, None] % 8) * 4)) & 0xF) - 8
+        scale = tl.load(s + rows[None, :] * stride_sn + k[:, None] // GROUP, mask=mask,
+                        other=0.0)
+        tile = (values.to(tl.float32) * scale.to(tl.float32)).to(dtype)
+    return tile
 
 
 @triton.jit

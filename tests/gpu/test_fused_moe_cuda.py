@@ -48,11 +48,11 @@ def test_graph_replay_follows_new_routing():
         return ids, torch.rand(n, top_k, device="cuda", generator=gen)
 
     ids, weights = routing()
-    experts = StackedExperts(w13, w2)
-    fused_experts(x, experts, weights, ids, 0)  # compile outside the capture
+    stacked = StackedExperts(w13, w2)
+    fused_experts(x, stacked, weights, ids, 0)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_experts(x, experts, weights, ids, 0)
+        out = fused_experts(x, stacked, weights, ids, 0)
     new_ids, new_weights = routing()
     assert not torch.equal(new_ids, ids)
     ids.copy_(new_ids)
