@@ -27,6 +27,7 @@ import platform
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -196,6 +197,57 @@ class ExpertsTouched:
             hook.remove()
 
 
+TILE_CANDIDATES = {  # fused_moe.Tiles(block_n, block_k, num_warps, num_stages) for --tiles
+    "dense": [(n, k, w, 3) for n in (32, 64, 128) for k in (64, 128) for w in (4, 8)],
+    "int4": [(n, k, w, 3) for n in (32, 64, 128) for k in (128, 256) for w in (4, 8)],
+}
+
+
+@torch.inference_mode()
+def sweep_tiles(shape: str, args: argparse.Namespace) -> list[dict]:
+    """The routed experts alone (`fused_experts`, graph-replayed) per tile configuration and
+    token count: which launch configuration to make the default for a shape."""
+    from flashtree.layers.fused_moe import Tiles, fused_experts  # CUDA: triton is there
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    layer = build_layer(shape, device, dtype)
+    assert layer.stacked is not None
+    rows = []
+    for n in TOKENS:
+        x = torch.randn(n, SHAPES[shape][0], device=device).to(dtype)
+        weights, ids = layer.gate(x)
+        row = {"tokens": n}
+        for tiles in TILE_CANDIDATES["int4" if layer.stacked.group else "dense"]:
+            run = partial(fused_experts, x, layer.stacked, weights, ids, 0, Tiles(*tiles))
+            row[",".join(map(str, tiles))] = graph_ms(run, args.reps)
+        rows.append(row)
+        print(shape, "tiles", row, flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def kernel_profile(shape: str, args: argparse.Namespace, tokens: int = 1) -> list[tuple]:
+    """GPU time per kernel of one eager layer forward at `tokens` tokens: where a layer's time
+    goes when it is launch-bound. -> [(kernel, calls, total us)], largest first."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    layer = build_layer(shape, device, dtype)
+    x = torch.randn(tokens, SHAPES[shape][0], device=device).to(dtype)
+    for _ in range(3):
+        layer(x)
+    sync(device)
+    kind = (torch.profiler.ProfilerActivity.CUDA if device.type == "cuda"
+            else torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=[kind]) as prof:
+        for _ in range(args.reps):
+            layer(x)
+        sync(device)
+    rows = [(e.key[:70], e.count // args.reps,
+             (e.device_time_total if device.type == "cuda" else e.self_cpu_time_total)
+             / args.reps) for e in prof.key_averages()]
+    rows = [r for r in rows if r[2] > 0]
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def graph_ms(fn, reps: int) -> float:
     """Median ms of `fn` captured in a CUDA graph and replayed (no launch overhead)."""
     fn()
@@ -235,6 +287,18 @@ def report(res: dict) -> str:
                 f"{row['loop_ms']:.3f} | {row.get('fused_ms', float('nan')):.3f} | {graph} |")
         if "fused_over_loop_b1" in r:
             lines += ["", f"Fused over loop at one token: {r['fused_over_loop_b1']:.2f}x."]
+        if r.get("tiles"):
+            configs = [k for k in r["tiles"][0] if k != "tokens"]
+            lines += ["", "Routed experts alone, graph-replayed, ms per tile configuration "
+                      "(block_n, block_k, warps, stages):", "",
+                      "| tokens | " + " | ".join(configs) + " |",
+                      "|---|" + "---|" * len(configs)]
+            lines += [f"| {t['tokens']} | " + " | ".join(f"{t[c]:.3f}" for c in configs) + " |"
+                      for t in r["tiles"]]
+        if r.get("profile"):
+            lines += ["", "One eager forward at one token, GPU time per kernel:", "",
+                      "| kernel | calls | us |", "|---|---|---|"]
+            lines += [f"| `{k}` | {c} | {us:.1f} |" for k, c, us in r["profile"]]
         lines.append("")
     model = res.get("model")
     if model:
@@ -257,6 +321,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tiles", action="store_true",
+                    help="also sweep the grouped GEMMs' tile configurations per layer shape")
+    ap.add_argument("--profile", action="store_true",
+                    help="also list each layer's kernels' GPU time at one token")
     ap.add_argument("--out", type=Path, required=True, help="markdown report (JSON beside it)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -268,6 +336,10 @@ def main() -> None:
     for shape in args.shapes.split(","):
         t = time.time()
         res["shapes"][shape] = measure(shape, args, res["bandwidth"])
+        if args.tiles:
+            res["shapes"][shape]["tiles"] = sweep_tiles(shape, args)
+        if args.profile:
+            res["shapes"][shape]["profile"] = kernel_profile(shape, args)
         print(f"[{shape}: {time.time() - t:.0f} s]", flush=True)
         sync(device)
         if device.type == "cuda":

@@ -11,34 +11,52 @@ TRITON_INTERPRET=1 runs it on CPU tensors in tests."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from flashtree.layers.moe_align import BLOCK_M, StackedExperts, align_by_expert
+from flashtree.layers.moe_align import BLOCK_M, align_by_expert
+from flashtree.layers.stacked_experts import StackedExperts
 
 
 @triton.jit
-def _weight_tile(w, s, rows, k, mask, stride_wn, stride_sn, GROUP: tl.constexpr,
-                 BO: tl.constexpr, BI: tl.constexpr, dtype: tl.constexpr):
-    # The [k, rows] tile of a [rows, k] weight: dense; INT4 (GROUP > 0) packed eight to an
-    # int32 along k, lowest bits first, value + 8, times one scale per GROUP columns; or FP8
-    # (BO > 0) times one scale per BO x BI block.
-    # One return at the end: compiled Triton type-checks code after an early return too.
-    if BO > 0:
-        weight = tl.load(w + rows[None, :] * stride_wn + k[:, None], mask=mask, other=0.0)
-        scale = tl.load(s + (rows[None, :] // BO) * stride_sn + k[:, None] // BI, mask=mask,
-                        other=0.0)
-        tile = (weight.to(tl.float32) * scale).to(dtype)
-    elif GROUP == 0:
-        tile = tl.load(w + rows[None, :] * stride_wn + k[:, None], mask=mask, other=0.0)
+def _dot_tile(acc, a_rows, a_ok, w, s, rows, rows_ok, k0, k_total, stride_wn, stride_sn,
+              BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+              PRECISION: tl.constexpr):
+    # acc + a[:, k0:k0+BLOCK_K] . W[rows, k0:k0+BLOCK_K]^T, a's rows at pointers `a_rows`, W a
+    # [rows, k] weight: dense; FP8 (BO > 0) times one scale per BO x BI block; or INT4
+    # (GROUP > 0) packed eight to an int32 along k, lowest bits first, value + 8, times one
+    # scale per GROUP columns. INT4 words are loaded once as a [BLOCK_K / 8, rows] tile and
+    # each nibble position j is its own dot against the columns k = 8 * word + j.
+    dtype = a_rows.dtype.element_ty
+    if GROUP > 0:
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        kw_ok = kw < k_total // 8
+        w_ok = kw_ok[:, None] & rows_ok[None, :]
+        words = tl.load(w + rows[None, :] * stride_wn + kw[:, None], mask=w_ok, other=0)
+        scale = tl.load(s + rows[None, :] * stride_sn + (kw[:, None] * 8) // GROUP, mask=w_ok,
+                        other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            a = tl.load(a_rows[:, None] + (kw * 8 + j)[None, :],
+                        mask=a_ok[:, None] & kw_ok[None, :], other=0.0)
+            values = ((words >> (4 * j)) & 0xF) - 8
+            acc += tl.dot(a, (values.to(tl.float32) * scale).to(dtype),
+                          input_precision=PRECISION)
     else:
-        words = tl.load(w + rows[None, :] * stride_wn + k[:, None] // 8, mask=mask, other=0)
-        values = ((words >> ((k[:, None] % 8) * 4)) & 0xF) - 8
-        scale = tl.load(s + rows[None, :] * stride_sn + k[:, None] // GROUP, mask=mask,
-                        other=0.0)
-        tile = (values.to(tl.float32) * scale.to(tl.float32)).to(dtype)
-    return tile
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < k_total
+        a = tl.load(a_rows[:, None] + k[None, :], mask=a_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w_ok = k_ok[:, None] & rows_ok[None, :]
+        tile = tl.load(w + rows[None, :] * stride_wn + k[:, None], mask=w_ok, other=0.0)
+        if BO > 0:
+            scale = tl.load(s + (rows[None, :] // BO) * stride_sn + k[:, None] // BI,
+                            mask=w_ok, other=0.0)
+            tile = (tile.to(tl.float32) * scale).to(dtype)
+        acc += tl.dot(a, tile, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -54,27 +72,19 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, num_pa
         return
     pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     rows_ok = pairs < num_pairs
-    tokens = tl.where(rows_ok, pairs // top_k, 0)
+    a_rows = x_ptr + tl.where(rows_ok, pairs // top_k, 0) * stride_xt
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < inter
-    ks = tl.arange(0, BLOCK_K)
     w = w_ptr + expert.to(tl.int64) * stride_we
     sc = s_ptr + expert.to(tl.int64) * stride_se
     dtype = out_ptr.dtype.element_ty
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < hidden
-        a = tl.load(x_ptr + tokens[:, None] * stride_xt + k[None, :],
-                    mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-        w_ok = k_ok[:, None] & cols_ok[None, :]
-        wg = _weight_tile(w, sc, cols, k, w_ok, stride_wn, stride_sn, GROUP, BO, BI,
-                          dtype)
-        wu = _weight_tile(w, sc, inter + cols, k, w_ok, stride_wn, stride_sn, GROUP, BO, BI,
-                          dtype)
-        gate += tl.dot(a, wg, input_precision=PRECISION)
-        up += tl.dot(a, wu, input_precision=PRECISION)
+        gate = _dot_tile(gate, a_rows, rows_ok, w, sc, cols, cols_ok, k0, hidden, stride_wn,
+                         stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION)
+        up = _dot_tile(up, a_rows, rows_ok, w, sc, inter + cols, cols_ok, k0, hidden,
+                       stride_wn, stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION)
     g = gate.to(dtype).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
@@ -96,29 +106,38 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts
     pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     rows_ok = pairs < num_pairs
     safe = tl.where(rows_ok, pairs, 0)
+    a_rows = act_ptr + safe * stride_at
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden
-    ks = tl.arange(0, BLOCK_K)
     w = w_ptr + expert.to(tl.int64) * stride_we
     sc = s_ptr + expert.to(tl.int64) * stride_se
     dtype = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < inter
-        a = tl.load(act_ptr + safe[:, None] * stride_at + k[None, :],
-                    mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-        wd = _weight_tile(w, sc, cols, k, k_ok[:, None] & cols_ok[None, :], stride_wn,
-                          stride_sn, GROUP, BO, BI, dtype)
-        acc += tl.dot(a, wd, input_precision=PRECISION)
+        acc = _dot_tile(acc, a_rows, rows_ok, w, sc, cols, cols_ok, k0, inter, stride_wn,
+                        stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION)
     routing = tl.load(weights_ptr + safe, mask=rows_ok, other=0.0)
     y = acc.to(dtype).to(tl.float32) * routing[:, None]
     tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], y.to(dtype),
              mask=rows_ok[:, None] & cols_ok[None, :])
 
 
+class Tiles(NamedTuple):
+    """A launch configuration of both grouped GEMMs."""
+
+    block_n: int = 64
+    block_k: int = 64  # INT4 needs 128: its dots are BLOCK_K / 8 deep, and tl.dot needs 16
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_tiles(experts: StackedExperts) -> Tiles:
+    return Tiles(block_k=128) if experts.group else Tiles()
+
+
 def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
-                  ids: torch.Tensor, first_expert: int) -> torch.Tensor:
+                  ids: torch.Tensor, first_expert: int, tiles: Tiles | None = None
+                  ) -> torch.Tensor:
     """x [n, hidden]; `experts` this rank's E experts (first_expert .. first_expert + E - 1);
     the router's weights (float32) and global expert ids [n, top_k]. -> sum over the top_k
     slots of weight * expert(x), [n, hidden] (zero for slots on other ranks)."""
@@ -132,11 +151,15 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     num_pairs = n * top_k
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    block_n, block_k = 64, 64
+    if experts.group % 8:
+        raise ValueError(f"INT4 group size {experts.group} is not a multiple of 8")
+    tiles = tiles or default_tiles(experts)
+    block_n = tiles.block_n
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 only rounds float32
     bo, bi = experts.fp8_block or (0, 0)
-    common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=experts.group,
-                  BO=bo, BI=bi, PRECISION=precision)
+    common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP=experts.group,
+                  BO=bo, BI=bi, PRECISION=precision, num_warps=tiles.num_warps,
+                  num_stages=tiles.num_stages)
     w13, s13 = experts.gate_up, experts.gate_up_scale
     _gate_up_kernel[(blocks.numel(), triton.cdiv(inter, block_n))](
         x, w13, w13 if s13 is None else s13, act, pairs, blocks, num_pairs, top_k, hidden,

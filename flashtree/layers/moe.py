@@ -21,7 +21,7 @@ from flashtree.layers import fused_kernels_apply
 from flashtree.layers.activation import silu_mul
 from flashtree.layers.int4 import dequantize_int4
 from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
-from flashtree.layers.moe_align import StackedExperts
+from flashtree.layers.stacked_experts import StackedExperts
 
 
 def _check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:

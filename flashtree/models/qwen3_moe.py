@@ -46,8 +46,6 @@ class MoEDecoderLayer(DecoderLayer):
 class Qwen3MoeModel(DecoderModel):
     layer_cls = MoEDecoderLayer
     stacked = MOE_STACKED
-    # The grouped-GEMM experts need no host sync, but their capture is not verified on a GPU.
-    graph_capturable = False
 
     def _skip_tensor(self, name: str) -> bool:
         return skip_moe_tensor(self, name)

@@ -1,7 +1,8 @@
-"""Every supported family starts on CUDA with the default settings, as a user starts it: a model
-whose forward can be captured replays CUDA graphs, one that cannot (MoE, whose experts' batch
-sizes are read on the host) runs eagerly instead of failing graph capture. Greedy tokens, plain
-and DDTree over a random drafter, equal transformers' on the same device. Skips without CUDA."""
+"""Every supported family starts on CUDA as a user starts it, with the default settings and with
+`enforce_eager=True`: a model whose forward can be captured replays CUDA graphs (Qwen3-MoE's
+grouped-GEMM experts included), one that cannot (DeepSeek-V3's MLA attention plans on the host)
+runs eagerly instead of failing graph capture. Greedy tokens, plain and DDTree over a random
+drafter, equal transformers' on the same device. Skips without CUDA."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ FAMILIES = {
     "llama": (lambda p: save_checkpoint(p, "llama", seed=1), True),
     "qwen2": (lambda p: save_checkpoint(p, "qwen2", seed=2), True),
     "qwen3": (lambda p: save_checkpoint(p, "qwen3", seed=3, head_dim=12), True),
-    "qwen3_moe": (lambda p: save_tiny_qwen3_moe(p, seed=4), False),
+    "qwen3_moe": (lambda p: save_tiny_qwen3_moe(p, seed=4), True),
     "deepseek_v3": (lambda p: save_tiny_deepseek_v3(p, seed=5), False),
 }
 PROMPTS = [[3, 17, 40, 8, 22, 5, 61, 9, 30], [12, 4, 7], [50, 2, 33, 19, 11]]
@@ -47,9 +48,11 @@ def test_family_starts_on_cuda_and_decodes_like_transformers(family, tmp_path):
         want.append(out[0, len(p):].tolist())
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for spec in ("none", "ddtree"):
-        extra = {} if spec == "none" else {"draft": str(drafter), "spec": spec}
-        llm = LLM(model=str(target), device="cuda", dtype="float32", skip_tokenizer_init=True,
-                  page_size=4, max_num_seqs=4, **extra)
-        assert llm.engine.uses_cuda_graphs == capturable
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        assert got == want, f"{family} spec={spec}"
+        for eager in (False, True):
+            extra = {} if spec == "none" else {"draft": str(drafter), "spec": spec}
+            llm = LLM(model=str(target), device="cuda", dtype="float32",
+                      skip_tokenizer_init=True, page_size=4, max_num_seqs=4,
+                      enforce_eager=eager, **extra)
+            assert llm.engine.uses_cuda_graphs == (capturable and not eager)
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+            assert got == want, f"{family} spec={spec} enforce_eager={eager}"

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="needs triton")
 
 from flashtree.layers.fused_moe import fused_experts  # noqa: E402
-from flashtree.layers.moe_align import StackedExperts  # noqa: E402
+from flashtree.layers.stacked_experts import StackedExperts  # noqa: E402
 from tests.layers.moe_cases import CASES, check_fused_experts, eager_experts  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.layers.int4 import dequantize_int4
-from flashtree.layers.moe_align import StackedExperts
+from flashtree.layers.stacked_experts import StackedExperts
 from tests.helpers import fp8_block_quantize
 
 # (tokens, experts in the model, top_k, hidden, inter, this rank's first expert and count)
