@@ -27,6 +27,7 @@ import platform
 import random
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from benchmarks.gpu_bench import (  # noqa: E402
 )
 from flashtree import LLM  # noqa: E402
 from flashtree.bench.random_pair import SHAPES as MODEL_SHAPES  # noqa: E402
-from flashtree.bench.random_pair import random_target  # noqa: E402
+from flashtree.bench.random_pair import random_drafter, random_target  # noqa: E402
 from flashtree.config import MoEConfig  # noqa: E402
 from flashtree.layers.moe import SparseMoE  # noqa: E402
 from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
@@ -135,37 +136,54 @@ def measure_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
     """The whole random-weight target (`flashtree/bench/random_pair.py`): decode steps at
     BATCHES and 16- and 64-node verifies at batch 1, after `--ctx` tokens, each against its
     floor: every weight but the embedding table, the distinct experts each layer's tokens
-    touch, and the KV read."""
+    touch, and the KV read. As the engine runs them: graph-replayed where it captures graphs
+    (a DFlash engine for decode and the 16-token chain, a DDTree budget-63 one for 64 nodes)."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model, cfg = random_target(MODEL_SHAPES[shape], dtype, device)
-    max_len = args.ctx + 128
-    # Every case's scratch requests hold their pages at once: all decode batches, two verifies.
-    llm = LLM.from_modules(model, cfg, max_num_seqs=max(BATCHES), max_model_len=max_len,
-                           kv_cache_pages=(sum(BATCHES) + 2) * math.ceil(max_len / 16))
+    drafter = random_drafter(cfg, MODEL_SHAPES[shape], dtype, device, layers=1)
     touched = ExpertsTouched(model)
     dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if ".experts." not in n and not n.startswith("embed_tokens"))
     per_expert = expert_bytes(next(m for m in model.modules() if isinstance(m, SparseMoE)))
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    max_len = args.ctx + 128
     rows = []
-    with Scratch(llm) as s, torch.inference_mode():
-        cases = [(f"decode x{b}", b, decode_forward(llm, s, b, args.ctx, cfg.vocab_size))
-                 for b in BATCHES]
-        cases += [(f"verify {n} nodes", 1, verify_forward(llm, s, n, args.ctx, cfg.vocab_size))
-                  for n in (16, 64)]
-        for name, batch, run in cases:
-            with touched:
-                run()
-            floor = dense + touched.total * per_expert + batch * args.ctx * kv_per_token
-            rows.append({"step": name, "experts_touched_per_layer": touched.total / cfg.num_layers,
-                         "floor_ms": floor / bandwidth * 1e3,
-                         "ms": median_ms(run, device, args.reps)})
-            print(shape, rows[-1], flush=True)
-    llm.shutdown()
+    for spec, budget, steps in (("dflash", None, [*BATCHES, 16]), ("ddtree", 63, [64])):
+        # Every case's scratch requests hold their pages at once.
+        llm = LLM.from_modules(model, cfg, drafter, spec=spec, tree_budget=budget,
+                               max_num_seqs=max(BATCHES), max_model_len=max_len,
+                               kv_cache_pages=(sum(BATCHES) + 2) * math.ceil(max_len / 16))
+        with Scratch(llm) as s, torch.inference_mode():
+            cases = [(f"decode x{b}", b, decode_forward(llm, s, b, args.ctx, cfg.vocab_size))
+                     for b in steps if b in BATCHES]
+            cases += [(f"verify {n} nodes", 1, verify_forward(llm, s, n, args.ctx,
+                                                              cfg.vocab_size))
+                      for n in steps if n in (16, 64)]
+            for name, batch, run in cases:
+                with touched, eager(llm):  # the routers' hooks fire outside graphs only
+                    run()
+                floor = dense + touched.total * per_expert + batch * args.ctx * kv_per_token
+                rows.append({"step": name,
+                             "experts_touched_per_layer": touched.total / cfg.num_layers,
+                             "floor_ms": floor / bandwidth * 1e3,
+                             "ms": median_ms(run, device, args.reps)})
+                print(shape, rows[-1], flush=True)
+        llm.shutdown()
     ar = {r["step"]: r for r in rows}
     return {"rows": rows, "moe_ar_step_over_floor_b1": ar["decode x1"]["ms"] /
             ar["decode x1"]["floor_ms"],
             "moe_verify64_over_ar_step": ar["verify 64 nodes"]["ms"] / ar["decode x1"]["ms"]}
+
+
+@contextmanager
+def eager(llm: LLM):
+    """The engine's forwards run eagerly while entered."""
+    runner = llm.engine.runner
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        yield
+    finally:
+        runner.graphs = graphs
 
 
 def decode_forward(llm: LLM, s: Scratch, batch: int, ctx: int, vocab: int):
@@ -314,7 +332,7 @@ def report(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="qwen3-30b-a3b,kimi-k2.6", help="MoE layers")
+    ap.add_argument("--shapes", default="qwen3-30b-a3b,kimi-k2.6", help="MoE layers, or none")
     ap.add_argument("--model", default="qwen3-30b-a3b",
                     help="whole target of this shape (random_pair.SHAPES), or none")
     ap.add_argument("--ctx", type=int, default=1024, help="context tokens of the model steps")
@@ -333,7 +351,7 @@ def main() -> None:
            "command": "python benchmarks/moe_bench.py " + " ".join(sys.argv[1:]),
            "bandwidth": copy_bandwidth(device, 256 if device.type == "cuda" else 16, 10),
            "ctx": args.ctx, "shapes": {}}
-    for shape in args.shapes.split(","):
+    for shape in [] if args.shapes == "none" else args.shapes.split(","):
         t = time.time()
         res["shapes"][shape] = measure(shape, args, res["bandwidth"])
         if args.tiles:

@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.sweep_summary import mean_interval  # noqa: E402
+from flashtree.bench.random_pair import SHAPES  # noqa: E402
 
 PAPER_DDTREE_TAU = 9.54  # DDTree paper, Qwen3-8B on GSM8K: 6.57 -> 9.54
 # (acceptance, speedup over autoregressive, source) published for Qwen3-8B.
@@ -74,12 +75,22 @@ def _mean(runs: list[dict]) -> float:
     return sum(r["tokens_per_s"] for r in runs) / len(runs)
 
 
+def _describe(shape: dict) -> str:
+    text = (f"{shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+            f"vocab {shape['vocab_size']:,}")
+    if "num_experts" in shape:
+        text += (f", {shape['num_experts']} experts of {shape['moe_intermediate_size']}, "
+                 f"top-{shape['num_experts_per_tok']}")
+    return text
+
+
 def report(res: dict) -> str:
     keys = res.get("summary", {})
-    lines = ["# Speed at real acceptance: the acceptance oracle on a Qwen3-8B-shaped target", "",
+    name = res.get("shape", "qwen3-8b")
+    lines = [f"# Speed at real acceptance: the acceptance oracle on a {name}-shaped target", "",
              f"Machine: {res.get('machine')}. Commands: " + "; ".join(
                  f"`{c}`" for c in res.get("commands", [])), "",
-             "Random-weight target (36 layers, hidden 4096, vocab 151,936, bf16) and 5-layer "
+             f"Random-weight target ({_describe(SHAPES[name])}, bf16) and 5-layer "
              "block-16 DFlash drafter built on the GPU; context 1k; greedy; tokens/s are "
              "decode-phase rates; ratios are from one run each.", ""]
     cal = res.get("calibrate")

@@ -126,13 +126,15 @@ class Tiles(NamedTuple):
     """A launch configuration of both grouped GEMMs."""
 
     block_n: int = 64
-    block_k: int = 64  # INT4 needs 128: its dots are BLOCK_K / 8 deep, and tl.dot needs 16
+    block_k: int = 128  # INT4 needs >= 128: its dots are BLOCK_K / 8 deep, tl.dot needs 16
     num_warps: int = 4
     num_stages: int = 3
 
 
 def default_tiles(experts: StackedExperts) -> Tiles:
-    return Tiles(block_k=128) if experts.group else Tiles()
+    # The fastest of `benchmarks/moe_bench.py --tiles` on an H200 at 1-128 tokens
+    # (benchmarks/results/2026-12-04-moe-gpu.md).
+    return Tiles(block_k=256) if experts.group else Tiles()
 
 
 def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
