@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtree.layers.moe_align import BLOCK_M, align_by_expert, block_expert, expert_pad
+from flashtree.layers.moe_align import BLOCK_M, align_by_expert
 from flashtree.layers.stacked_experts import StackedExperts
 
 
@@ -60,15 +60,15 @@ def _dot_tile(acc, a_rows, a_ok, w, s, rows, rows_ok, k0, k_total, stride_wn, st
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, ends_ptr, num_experts, num_pairs,
-                    top_k, hidden, inter, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, num_pairs, top_k,
+                    hidden, inter, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
                     stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-                    PRECISION: tl.constexpr, E_PAD: tl.constexpr):
+                    PRECISION: tl.constexpr):
     # out[pair, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for a block of pairs.
     block = tl.program_id(0)
-    expert = block_expert(ends_ptr, block, num_experts, BLOCK_M, E_PAD)
-    if expert >= num_experts:
+    expert = tl.load(experts_ptr + block)
+    if expert < 0:
         return
     pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     rows_ok = pairs < num_pairs
@@ -93,15 +93,15 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, ends_ptr, num_exper
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, ends_ptr, num_experts,
-                 num_pairs, hidden, inter, stride_at, stride_we, stride_wn, stride_se, stride_sn,
-                 stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts_ptr, num_pairs,
+                 hidden, inter, stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_ot,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-                 PRECISION: tl.constexpr, E_PAD: tl.constexpr):
+                 PRECISION: tl.constexpr):
     # out[pair, n] = routing weight[pair] * (act[pair] . down[e, n]) for a block of pairs.
     block = tl.program_id(0)
-    expert = block_expert(ends_ptr, block, num_experts, BLOCK_M, E_PAD)
-    if expert >= num_experts:
+    expert = tl.load(experts_ptr + block)
+    if expert < 0:
         return
     pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     rows_ok = pairs < num_pairs
@@ -149,8 +149,7 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     top_k = ids.shape[1]
     local = ids.flatten() - first_expert
     local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    pairs, ends = align_by_expert(local, num_experts)
-    blocks = pairs.numel() // BLOCK_M
+    pairs, blocks = align_by_expert(local, num_experts)
     num_pairs = n * top_k
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -161,18 +160,18 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 only rounds float32
     bo, bi = experts.fp8_block or (0, 0)
     common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP=experts.group,
-                  BO=bo, BI=bi, PRECISION=precision, E_PAD=expert_pad(num_experts),
-                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                  BO=bo, BI=bi, PRECISION=precision, num_warps=tiles.num_warps,
+                  num_stages=tiles.num_stages)
     w13, s13 = experts.gate_up, experts.gate_up_scale
-    _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, w13, w13 if s13 is None else s13, act, pairs, ends, num_experts, num_pairs, top_k,
-        hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), *_strides(s13),
-        act.stride(0), **common)
+    _gate_up_kernel[(blocks.numel(), triton.cdiv(inter, block_n))](
+        x, w13, w13 if s13 is None else s13, act, pairs, blocks, num_pairs, top_k, hidden,
+        inter, x.stride(0), w13.stride(0), w13.stride(1), *_strides(s13), act.stride(0),
+        **common)
     w2, s2 = experts.down, experts.down_scale
-    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, w2, w2 if s2 is None else s2, weights.flatten().contiguous(), out, pairs, ends,
-        num_experts, num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        *_strides(s2), out.stride(0), **common)
+    _down_kernel[(blocks.numel(), triton.cdiv(hidden, block_n))](
+        act, w2, w2 if s2 is None else s2, weights.flatten().contiguous(), out, pairs, blocks,
+        num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), *_strides(s2),
+        out.stride(0), **common)
     return out.view(n, top_k, hidden).sum(dim=1)
 
 

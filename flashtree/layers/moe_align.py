@@ -1,9 +1,8 @@
 """The (token, slot) pairs a MoE router chose, grouped by expert on the device in one Triton
 program, with static shapes (every batch of n tokens gives the same tensor sizes, and nothing
 is read back), as the grouped GEMMs of `layers/fused_moe.py` consume them: each expert's pairs
-padded to a multiple of a block of rows, one expert per block, which each GEMM program finds
-from the experts' ends itself. One launch instead of a dozen small torch ops: at decode sizes a
-MoE layer's time is mostly launches."""
+padded to a multiple of a block of rows, one expert per block. One launch instead of a dozen
+small torch ops: at decode sizes a MoE layer's time is mostly launches."""
 
 from __future__ import annotations
 
@@ -16,18 +15,9 @@ _CHUNK = 1024  # pairs or slots a loop step of the kernel handles
 
 
 @triton.jit
-def block_expert(ends_ptr, block, num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
-    """The expert whose pairs a block of `align_by_expert`'s slots holds (how many experts end
-    at or before its first slot), num_experts for a block past the last."""
-    experts = tl.arange(0, E_PAD)
-    ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=2**30)
-    return tl.sum((ends <= block * BLOCK_M).to(tl.int32), axis=0)
-
-
-@triton.jit
-def _align_kernel(local_ptr, pairs_ptr, ends_ptr, starts_ptr, cursor_ptr, num_pairs,
+def _align_kernel(local_ptr, pairs_ptr, blocks_ptr, starts_ptr, cursor_ptr, num_pairs,
                   num_experts, size, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr):
     experts = tl.arange(0, E_PAD)
     tl.store(cursor_ptr + experts, tl.zeros((E_PAD,), dtype=tl.int32))
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -41,7 +31,6 @@ def _align_kernel(local_ptr, pairs_ptr, ends_ptr, starts_ptr, cursor_ptr, num_pa
     padded = tl.where(experts < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     ends = tl.cumsum(padded, 0)
     tl.store(starts_ptr + experts, ends - padded)
-    tl.store(ends_ptr + experts, ends)
     tl.debug_barrier()
     for c0 in range(0, num_pairs, CHUNK):  # each pair to the next free slot of its expert
         p = c0 + tl.arange(0, CHUNK)
@@ -50,6 +39,13 @@ def _align_kernel(local_ptr, pairs_ptr, ends_ptr, starts_ptr, cursor_ptr, num_pa
         rank = tl.atomic_add(cursor_ptr + e, 1, mask=mine)
         start = tl.load(starts_ptr + e, mask=mine, other=0)
         tl.store(pairs_ptr + start + rank, p, mask=mine)
+    # A block's expert: how many experts end at or before its first slot.
+    for b0 in range(0, size // BLOCK_M, BLOCKS_PER_STEP):
+        b = b0 + tl.arange(0, BLOCKS_PER_STEP)
+        before = tl.sum(((ends[None, :] <= b[:, None] * BLOCK_M)
+                         & (experts[None, :] < num_experts)).to(tl.int32), axis=1)
+        tl.store(blocks_ptr + b, tl.where(before < num_experts, before, -1),
+                 mask=b < size // BLOCK_M)
 
 
 def align_by_expert(local: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
@@ -57,19 +53,15 @@ def align_by_expert(local: torch.Tensor, num_experts: int, block_m: int = BLOCK_
     """local: [P] expert of each (token, slot) pair on this rank, `num_experts` for pairs
     routed to another rank's experts. Returns int32 (sorted_pairs [S]: pair ids grouped by
     expert in any order within it, each group padded with P to a multiple of block_m;
-    ends [E_PAD >= num_experts]: where each expert's slots end, which `block_expert` reads),
+    block_experts [S / block_m]: the expert of each block, -1 past the last),
     S = P + num_experts * (block_m - 1) rounded up to block_m."""
     p, device = local.numel(), local.device
     size = -(-(p + num_experts * (block_m - 1)) // block_m) * block_m
-    e_pad = expert_pad(num_experts)
+    e_pad = triton.next_power_of_2(num_experts + 1)
     pairs = torch.empty(size, dtype=torch.int32, device=device)
-    scratch = torch.empty(3, e_pad, dtype=torch.int32, device=device)
-    _align_kernel[(1,)](local, pairs, scratch[0], scratch[1], scratch[2], p, num_experts, size,
-                        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=8)
-    return pairs, scratch[0]
-
-
-def expert_pad(num_experts: int) -> int:
-    """The power of two `block_expert` and the grouping kernel count experts in (one more
-    than the experts: pairs of other ranks)."""
-    return triton.next_power_of_2(num_experts + 1)
+    blocks = torch.empty(size // block_m, dtype=torch.int32, device=device)
+    scratch = torch.empty(2, e_pad, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](local, pairs, blocks, scratch[0], scratch[1], p, num_experts, size,
+                        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK,
+                        BLOCKS_PER_STEP=max(1, 4096 // e_pad), num_warps=8)
+    return pairs, blocks

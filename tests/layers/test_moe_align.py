@@ -28,12 +28,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def test_pairs_grouped_by_expert(pairs, experts, block_m, seed):
     gen = torch.Generator().manual_seed(seed)
     local = torch.randint(0, experts + 1, (pairs,), generator=gen)  # `experts`: another rank's
-    sorted_pairs, ends = (t.cpu() for t in align_by_expert(local.to(DEVICE), experts, block_m))
-    # A block's expert as the GEMM kernels find it (`block_expert`): experts ending at or
-    # before its first slot; none (-1) past the last expert.
-    firsts = torch.arange(0, sorted_pairs.numel(), block_m)
-    block_experts = (ends[:experts, None] <= firsts).sum(dim=0)
-    block_experts = torch.where(block_experts < experts, block_experts, -1)
+    sorted_pairs, block_experts = (t.cpu() for t in align_by_expert(local.to(DEVICE), experts,
+                                                                      block_m))
     size = -(-(pairs + experts * (block_m - 1)) // block_m) * block_m
     assert sorted_pairs.shape == (size,) and block_experts.shape == (size // block_m,)
     blocks = sorted_pairs.view(-1, block_m)
