@@ -6,10 +6,9 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "SdpaBackend", "make_backend
 
 
 def make_backend(cache: KVCache) -> AttentionBackend:
-    """The Triton paged-attention kernel on CUDA (no host-side plan: CUDA graphs can capture
-    it); the SDPA reference on CPU and for key-only MLA caches, which the kernel does not
-    cover."""
-    if cache.k.device.type == "cuda" and cache.v is not None:
+    """The Triton paged-attention kernel on CUDA, MLA's key-only latent caches included (no
+    host-side plan: CUDA graphs can capture it); the SDPA reference on CPU."""
+    if cache.k.device.type == "cuda":
         from flashtree.attention.triton import TritonBackend  # triton ships with CUDA torch
 
         return TritonBackend(cache)

@@ -45,8 +45,11 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, V_IS_K: tl.constexpr,
 ):
+    # TAIL > 0: queries and keys have TAIL more columns after HEAD_DIM that count in the
+    # scores but not in the values (MLA: the rope part after the latent). V_IS_K: the values
+    # are the keys' first HEAD_DIM columns, read once for both (MLA's latent cache).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     mt = tl.program_id(2) // NUM_SPLITS
@@ -67,6 +70,14 @@ def _paged_attention_kernel(
         q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if TAIL > 0:
+        dt = tl.arange(0, BLOCK_TAIL)
+        dt_ok = dt < TAIL
+        dt = HEAD_DIM + dt
+        q_tail = tl.load(
+            q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+            + dt[None, :], mask=row_ok[:, None] & dt_ok[None, :], other=0.0,
+        )  # [BLOCK_M, BLOCK_TAIL]
 
     m_i = tl.full([BLOCK_M], _NO_SCORE, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -106,9 +117,18 @@ def _paged_attention_kernel(
             kv_ok = key_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                         mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                        mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+            if V_IS_K:
+                v = k
+            else:
+                v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                            mask=kv_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if TAIL > 0:
+                k_tail = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh
+                                 + dt[None, :], mask=key_ok[:, None] & dt_ok[None, :],
+                                 other=0.0)
+                s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+            s = s * sm_scale_log2
             visible = key_ok[None, :] & row_ok[:, None]  # [BLOCK_M, BLOCK_N]
             # distance = query position - key position (both logical indices)
             distance = (ctx_len + tok)[:, None] - key[None, :]
@@ -245,21 +265,45 @@ class TritonBackend(AttentionBackend):
         return self.launch.meta.slot_mapping
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        assert self.cache.v is not None, "a key-only (MLA) cache attends through forward_latent"
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, kv_heads, hd]
+        head_dim = q.shape[2]
+        return self._run(q, k_cache, v_cache, head_dim, 0, head_dim**-0.5, self.block_n,
+                         self.max_block_m, self.num_warps)
+
+    def forward_latent(
+        self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int, scale: float
+    ) -> torch.Tensor:
+        """MLA's absorbed attention: the values are the latent's first `v_dim` columns, the
+        rest (the rope part) counts in the scores only; one cached head serves all query heads,
+        so a request's tile reads each latent page once for every head and tree node."""
+        self.cache.write(layer, self.slot_mapping, latent, None)
+        k_cache = self.cache.k[layer]  # [slots, 1, latent_dim]
+        tail = q.shape[2] - v_dim
+        # 512-column tiles: 16 keys and up to 32 query rows, 8 warps, compile for sm_90
+        # without register spills (ptxas); the dense heads' tile sizes spill.
+        return self._run(q, k_cache, None, v_dim, tail, scale, 16, min(self.max_block_m, 32), 8)
+
+    def _run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+             head_dim: int, tail: int, scale: float, block_n: int, max_block_m: int,
+             num_warps: int) -> torch.Tensor:
+        """Attention of q [num_tokens, heads, head_dim + tail] over the paged keys (and
+        values: v_cache, or the keys' first head_dim columns when None) -> [num_tokens,
+        heads, head_dim]."""
         launch = self.launch
         assert launch is not None, "begin_forward must run before the layers"
         meta = launch.meta
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, kv_heads, hd]
-        heads, head_dim = q.shape[1], q.shape[2]
+        heads = q.shape[1]
         num_kv_heads = k_cache.shape[1]
         assert heads % num_kv_heads == 0, f"{heads} query heads over {num_kv_heads} KV heads"
         assert q.stride(2) == 1 and k_cache.stride(2) == 1, "head_dim must be contiguous"
         group = heads // num_kv_heads
         n = meta.num_seqs
-        block_m = max(16, min(self.max_block_m, triton.next_power_of_2(meta.max_query_len * group)))
+        block_m = max(16, min(max_block_m, triton.next_power_of_2(meta.max_query_len * group)))
         num_m_tiles = triton.cdiv(meta.max_query_len * group, block_m)
         block_d = max(16, triton.next_power_of_2(head_dim))
         splits = self.splits_for(n * num_kv_heads * num_m_tiles, meta.max_kv_len)
-        out = torch.empty_like(q)  # [num_tokens, heads, hd]
+        out = q.new_empty(q.shape[0], heads, head_dim)
         if splits > 1:
             parts = n * num_kv_heads * num_m_tiles * splits
             part_acc = torch.empty(parts, block_m, block_d, dtype=torch.float32, device=q.device)
@@ -269,25 +313,27 @@ class TritonBackend(AttentionBackend):
             part_acc = part_m = part_l = out
         mask = launch.mask
         window = meta.sliding_window
+        values = k_cache if v_cache is None else v_cache
         _paged_attention_kernel[(n, num_kv_heads, num_m_tiles * splits)](
-            q, k_cache, v_cache, out, part_acc, part_m, part_l,
+            q, k_cache, values, out, part_acc, part_m, part_l,
             meta.page_tables, meta.kv_lens, meta.query_start, mask,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            k_cache.stride(0), k_cache.stride(1), values.stride(0), values.stride(1),
             meta.page_tables.stride(0), mask.stride(0), mask.stride(1) if mask.dim() > 1 else 0,
-            head_dim**-0.5 * _LOG2E, window or 0, num_kv_heads, num_m_tiles,
+            scale * _LOG2E, window or 0, num_kv_heads, num_m_tiles,
             PAGE=self.cache.page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_M=block_m, BLOCK_N=self.block_n, NUM_SPLITS=splits,
+            BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
             HAS_MASK=meta.new_token_mask is not None, CAUSAL=meta.causal,
             HAS_WINDOW=window is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=self.num_warps,
+            TAIL=tail, BLOCK_TAIL=max(16, triton.next_power_of_2(tail)),
+            V_IS_K=v_cache is None, num_warps=num_warps,
         )
         if splits > 1:
             _merge_splits_kernel[(n, num_kv_heads, num_m_tiles)](
                 out, part_acc, part_m, part_l, meta.query_start,
                 out.stride(0), out.stride(1), num_kv_heads, num_m_tiles,
                 GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-                NUM_SPLITS=splits, num_warps=self.num_warps,
+                NUM_SPLITS=splits, num_warps=num_warps,
             )
         return out

@@ -96,9 +96,9 @@ class LLMEngine:
     @property
     def uses_cuda_graphs(self) -> bool:
         """Decode, short prompt chunks, draft and verify replay CUDA graphs: on CUDA, unless
-        `enforce_eager`, for single-process models whose forward can be captured."""
+        `enforce_eager`, for single-process models."""
         return (self.args.device.type == "cuda" and not self.args.enforce_eager
-                and get_tp_size() == 1 and self.runner.model.graph_capturable)
+                and get_tp_size() == 1)
 
     def _capture_graphs(self, spec: SpecConfig | None) -> None:
         """Capture decode (1 token per request), short prompt chunks and, with a drafter, the

@@ -99,8 +99,6 @@ class DeepseekV3Layer(MoEDecoderLayer):
 class DeepseekV3Model(DecoderModel):
     layer_cls = DeepseekV3Layer
     stacked = {".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
-    # MLA runs eagerly; the grouped-GEMM experts' capture is not verified on a GPU yet.
-    graph_capturable = False
 
     def kv_cache_dims(self) -> tuple[int, int, int]:
         assert self.cfg.mla is not None

@@ -114,9 +114,6 @@ class DecoderModel(nn.Module):
 
     layer_cls: type[DecoderLayer] = DecoderLayer
     stacked: dict[str, tuple[str, int]] = STACKED
-    # Whether a forward can be captured in a CUDA graph (no host syncs, no capture-unsafe ops);
-    # the engine runs models that cannot eagerly.
-    graph_capturable: bool = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

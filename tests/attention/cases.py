@@ -107,3 +107,31 @@ def run_case(backend_cls, kind: str, q_per_kv: int, head_dim: int, dtype: torch.
     got = backend.forward(0, case.q, case.k, case.v)
     assert got.dtype == dtype, got.dtype
     return assert_close(got, expected, f"{kind} q_per_kv={q_per_kv} head_dim={head_dim}")
+
+
+def run_latent_case(backend_cls, kind: str, heads: int, v_dim: int, tail: int,
+                    dtype: torch.dtype, device: str, seed: int = 0, **backend_kw) -> float:
+    """MLA's absorbed attention (`forward_latent`: one cached latent head of v_dim + tail
+    columns, values its first v_dim) by `backend_cls` against SDPA on one random case of
+    `kind`; asserts the max abs difference is within TOLERANCE[dtype]."""
+    base = make_case(kind, 1, 16, dtype, device, seed)
+    slots = base.cache.k.shape[1]
+    n_tok = base.q.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n_tok, heads, v_dim + tail, generator=gen).to(dtype).to(device)
+    latent = torch.randn(n_tok, 1, v_dim + tail, generator=gen).to(dtype).to(device)
+    context = torch.randn(slots, 1, v_dim + tail, generator=gen).to(dtype).to(device)
+    scale = (v_dim + tail) ** -0.5
+
+    def run(cls, **kw) -> torch.Tensor:
+        cache = KVCache(1, slots // base.cache.page_size, base.cache.page_size, 1,
+                        v_dim + tail, dtype, torch.device(device), v_head_dim=0)
+        cache.k[0].copy_(context)  # the context's latents (and garbage in unowned slots)
+        backend = cls(cache, **kw)
+        backend.begin_forward(base.meta)
+        return backend.forward_latent(0, q, latent, v_dim, scale)
+
+    expected = run(SdpaBackend).float()
+    got = run(backend_cls, **backend_kw)
+    assert got.dtype == dtype, got.dtype
+    return assert_close(got, expected, f"latent {kind} heads={heads} {v_dim}+{tail}")

@@ -16,7 +16,7 @@ if importlib.util.find_spec("triton") is None:
 
 import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
 from flashtree.attention.triton import TritonBackend  # noqa: E402
-from tests.attention.cases import KINDS, run_case  # noqa: E402
+from tests.attention.cases import KINDS, run_case, run_latent_case  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -37,6 +37,19 @@ def test_bf16_matches_sdpa(kind, q_per_kv):
 def test_split_context_matches_sdpa(kind, num_splits):
     run_case(TritonBackend, kind, 2, 64, torch.float32, "cpu", seed=num_splits,
              num_splits=num_splits)
+
+
+@pytest.mark.parametrize("kind", ["decode", "chain", "tree", "prefill"])
+@pytest.mark.parametrize("heads,v_dim,tail", [(1, 32, 0), (4, 32, 16), (16, 32, 16), (3, 24, 8)])
+def test_mla_latent_matches_sdpa(kind, heads, v_dim, tail):
+    """MLA: one latent head for all query heads, values its first columns, a rope tail."""
+    run_latent_case(TritonBackend, kind, heads, v_dim, tail, torch.float32, "cpu", seed=heads)
+
+
+@pytest.mark.parametrize("kind", ["decode", "tree"])
+def test_mla_latent_bf16_and_split_context(kind):
+    run_latent_case(TritonBackend, kind, 8, 64, 16, torch.bfloat16, "cpu", seed=5,
+                    num_splits=2)
 
 
 def test_query_tiles_and_small_pages():

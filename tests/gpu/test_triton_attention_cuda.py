@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from flashtree.attention.backend import AttentionMetadata
-from tests.attention.cases import KINDS, assert_close, make_case, run_case, sdpa_reference
+from tests.attention.cases import (
+    KINDS,
+    assert_close,
+    make_case,
+    run_case,
+    run_latent_case,
+    sdpa_reference,
+)
 
 # Skip before importing triton: on CPU the interpreter tests must import it first.
 if not torch.cuda.is_available():
@@ -27,6 +34,16 @@ def test_matches_sdpa_on_cuda(dtype, kind, q_per_kv, head_dim, num_splits):
     for seed in range(3):
         run_case(TritonBackend, kind, q_per_kv, head_dim, dtype, "cuda", seed=seed,
                  num_splits=num_splits)
+
+
+@pytest.mark.parametrize("kind", ["decode", "chain", "tree", "prefill"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_mla_latent_matches_sdpa_on_cuda(kind, heads, num_splits):
+    """DeepSeek-V3's latent attention as it runs: 512 latent + 64 rope columns, bf16, 16 heads
+    (TP8) or 128 (one GPU)."""
+    run_latent_case(TritonBackend, kind, heads, 512, 64, torch.bfloat16, "cuda", seed=heads,
+                    num_splits=num_splits)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
