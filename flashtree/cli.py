@@ -36,6 +36,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "with other busy processes, 1 avoids a collapse)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every forward runs eagerly (debugging)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt from scratch instead of reusing the KV pages "
+                        "of prefixes computed before")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -176,6 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   block_size=args.block_size, tree_budget=args.tree_budget,
                   topk_cap=args.topk_cap, tree_sampling=args.tree_sampling,
                   spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
+                  enable_prefix_caching=args.prefix_caching,
                   device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, seed=args.seed, threads=args.threads,
                   tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
@@ -296,6 +300,7 @@ def _load(args: argparse.Namespace):
     return LLM(model=args.model, draft=args.draft, spec=args.spec, block_size=args.block_size,
                tree_budget=args.tree_budget, topk_cap=args.topk_cap,
                spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
+               enable_prefix_caching=args.prefix_caching,
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                seed=args.seed, threads=args.threads)
 

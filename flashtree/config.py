@@ -333,11 +333,13 @@ _ARCH_BY_MODEL_TYPE = {
 class CacheConfig:
     """Paged KV cache geometry. `num_pages=None` sizes the pool to hold `max_num_seqs` x
     `max_model_len` tokens, capped by `memory_bytes` (default: 256 MiB on CPU, half the free
-    memory on GPU) and never below one `max_model_len` sequence."""
+    memory on GPU) and never below one `max_model_len` sequence. `prefix_caching`: requests
+    reuse the full pages of prompts computed before (`kv/prefix_cache.py`)."""
 
     page_size: int = 16
     num_pages: int | None = None
     memory_bytes: int | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:

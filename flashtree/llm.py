@@ -57,6 +57,7 @@ class LLM:
         spec_policy: str = "adaptive",
         page_size: int = 16,
         kv_cache_pages: int | None = None,
+        enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = 1024,
         threads: int | None = None,
         _tp_member: bool = False,  # internal: a TP worker rank building its shard
@@ -120,6 +121,7 @@ class LLM:
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 skip_tokenizer_init=skip_tokenizer_init, seed=seed, tree_sampling=tree_sampling,
                 spec_policy=spec_policy, page_size=page_size, kv_cache_pages=kv_cache_pages,
+                enable_prefix_caching=enable_prefix_caching,
                 max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager)
         except BaseException:
             self.shutdown()
@@ -145,7 +147,8 @@ class LLM:
 
     def _build(self, *, model, draft, modules, spec, block_size, tree_budget, topk_cap, dtype,
                max_model_len, max_num_seqs, skip_tokenizer_init, seed, tree_sampling,
-               spec_policy, page_size, kv_cache_pages, max_num_batched_tokens,
+               spec_policy, page_size, kv_cache_pages, enable_prefix_caching,
+               max_num_batched_tokens,
                enforce_eager) -> None:
         self.dtype = parse_dtype(dtype, self.device)
         if modules is None:
@@ -175,7 +178,8 @@ class LLM:
             max_model_len=max_model_len or min(limit, 4096),
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        cache = CacheConfig(page_size=page_size, num_pages=kv_cache_pages)
+        cache = CacheConfig(page_size=page_size, num_pages=kv_cache_pages,
+                            prefix_caching=enable_prefix_caching)
         args = EngineConfig(self.device, self.dtype, sched, cache, spec_cfg, seed, enforce_eager)
         self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args, self.drafter)
 

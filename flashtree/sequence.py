@@ -28,6 +28,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     # Tokens of prompt_ids + output_ids whose KV is in the cache. Reset to 0 on preemption.
     num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
     text: str = ""  # detokenized output, cut at a stop string when one matched

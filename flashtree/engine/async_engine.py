@@ -26,6 +26,7 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # the request failed; the message says why
+    cached_tokens: int = 0  # prompt tokens the prefix cache held when the request started
 
 
 @dataclass
@@ -143,7 +144,7 @@ class AsyncEngine:
         tokens = seq.output_ids[req.sent_tokens:]
         req.sent_tokens = len(seq.output_ids)
         self._push(req, Delta(delta_text, tokens, seq.is_finished, seq.finish_reason,
-                              error=seq.error))
+                              error=seq.error, cached_tokens=seq.num_cached_tokens))
         if seq.is_finished:
             del self._active[seq.seq_id]
             if self.on_finish is not None:

@@ -66,7 +66,7 @@ class LLMEngine:
             model_cfg.num_layers, num_pages + 1, args.cache.page_size, kv_heads, k_dim,
             args.dtype, args.device, v_head_dim=v_dim,
         )
-        self.pages = PageTables(num_pages, args.cache.page_size)
+        self.pages = PageTables(num_pages, args.cache.page_size, args.cache.prefix_caching)
         self.proposer: DFlashProposer | None = None
         self.speculative: SpeculativeDecoder | None = None
         self.policy: SpecPolicy | None = None
@@ -75,6 +75,7 @@ class LLMEngine:
         if drafter is not None:
             drafter.cfg.check_target(model_cfg)
             self.proposer = DFlashProposer(drafter, model, self.pages, args.dtype, args.device)
+            self.pages.before_release = self.proposer.flush
         self.scheduler = Scheduler(args.scheduler, self.pages)
         self.runner = ModelRunner(model, self.cache, self.pages,
                                   drafter.cfg.target_layer_ids if drafter is not None else ())

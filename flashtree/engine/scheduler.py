@@ -53,6 +53,8 @@ class Scheduler:
         step admits requests at no cost of a step to the running ones: where requests end at
         different steps (speculation makes them), each admission would stall the batch for a
         prompt step of its own."""
+        for seq in self.running:  # their newly computed full pages, for later requests
+            self.pages.cache_computed(seq.seq_id, seq.token_slice, seq.num_computed)
         decode = self._schedule_decode()  # first: the running requests' pages come first
         prompt = self._schedule_prefill()
         if not prompt:
@@ -74,11 +76,16 @@ class Scheduler:
                     budget -= chunk.count
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            tokens = seq.token_slice(0, seq.num_tokens)
+            prefix = self.pages.cached_prefix(tokens)
             # Admit only when the whole remaining prompt fits in free pages, so that admitted
             # sequences rarely need to preempt each other.
-            if self.pages.pages_needed(seq.seq_id, seq.num_tokens) > self.pages.num_free:
+            if self.pages.pages_needed_after(prefix, seq.num_tokens) > self.pages.num_free:
                 break
             self.waiting.popleft()
+            seq.num_computed = self.pages.attach_prefix(seq.seq_id, prefix, seq.num_tokens)
+            if not seq.output_ids:  # a first admission (a readmission recomputes outputs)
+                seq.num_cached_tokens = seq.num_computed
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunk = self._prefill_chunk(seq, budget)
@@ -116,9 +123,10 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Drop the sequence's KV; it is recomputed from its tokens when readmitted."""
+        """Drop the sequence's KV; it is recomputed from its tokens when readmitted (from the
+        prefix cache, as far as its pages are still there)."""
         self.running.remove(seq)
-        self.pages.free(seq.seq_id)
+        self._release(seq)
         seq.num_computed = 0
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
@@ -129,6 +137,11 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free the sequence's pages, its computed full pages cached first."""
+        self.pages.cache_computed(seq.seq_id, seq.token_slice, seq.num_computed)
         self.pages.free(seq.seq_id)
 
     def abort(self, seq: Sequence) -> None:

@@ -5,9 +5,11 @@ length, then keep only a chosen subset of those tokens)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
+from flashtree.kv.prefix_cache import ROOT, Entry, PrefixCache
 from flashtree.transfer import lists_to_device
 
 
@@ -63,12 +65,20 @@ class KVCache:
 
 
 class PageTables:
-    """Owns the free-page list and each sequence's page table and KV length."""
+    """Owns the free-page list and each sequence's page table and KV length; with
+    `prefix_caching`, also the cached pages (`kv/prefix_cache.py`) that tables share."""
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.prefix = PrefixCache(page_size) if prefix_caching else None
+        # Per sequence: its leading pages registered in the prefix cache, and the last one's
+        # entry id (the parent of the next).
+        self._chains: dict[int, tuple[int, int]] = {}
+        # Called before a sequence lets go of cached pages: the drafter injects the context
+        # rows it still holds back, which cached pages must have when another reads them.
+        self.before_release: Callable[[], None] | None = None
         self._tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         # Each sequence's current allocation: a new number whenever it gets pages after
@@ -79,7 +89,8 @@ class PageTables:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a reservation can take: free ones and cached ones no sequence holds."""
+        return len(self._free) + (self.prefix.num_idle if self.prefix else 0)
 
     def pages_needed(self, seq_id: int, num_tokens: int) -> int:
         """Extra pages `seq_id` needs so that it can hold `num_tokens` tokens."""
@@ -89,15 +100,15 @@ class PageTables:
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         """Make sure `seq_id` owns pages for logical indices [0, num_tokens)."""
         need = self.pages_needed(seq_id, num_tokens)
-        if need > len(self._free):
-            raise OutOfPages(f"sequence {seq_id} needs {need} pages, {len(self._free)} free")
+        if need > self.num_free:
+            raise OutOfPages(f"sequence {seq_id} needs {need} pages, {self.num_free} free")
         if seq_id not in self._tables:
             self._tables[seq_id] = []
             self._leases[seq_id] = next(self._next_lease)
         table = self._tables[seq_id]
         self.lengths.setdefault(seq_id, 0)
         for _ in range(need):
-            table.append(self._free.pop())
+            table.append(self._free.pop() if self._free else self.prefix.evict())
 
     @property
     def scratch_slot(self) -> int:
@@ -121,6 +132,7 @@ class PageTables:
         table = self._tables[seq_id]
         keep = -(-length // self.page_size)
         assert keep <= len(table), f"seq {seq_id}: length {length} beyond reserved pages"
+        assert keep >= self._chains.get(seq_id, (0, ROOT))[0], "a cached page would be freed"
         while len(table) > keep:
             self._free.append(table.pop())
         self.lengths[seq_id] = length
@@ -142,11 +154,73 @@ class PageTables:
         return self._ended_leases
 
     def free(self, seq_id: int) -> None:
-        self._free.extend(reversed(self._tables.pop(seq_id, [])))
+        table = self._tables.pop(seq_id, [])
+        cached, _ = self._chains.pop(seq_id, (0, ROOT))
+        if cached and self.before_release is not None:
+            self.before_release()
+        # The deepest pages first: cached ones become idle before their parents, and so are
+        # evicted first.
+        for page in reversed(table):
+            if self.prefix is not None and self.prefix.is_cached(page):
+                self.prefix.release(page)
+            else:
+                self._free.append(page)
         self.lengths.pop(seq_id, None)
         lease = self._leases.pop(seq_id, None)
         if lease is not None and self._ended_leases is not None:
             self._ended_leases.add(lease)
+
+    # ------------------------------------------------------------------ prefix caching
+    def cached_prefix(self, tokens: list[int]) -> list[Entry]:
+        """Cached pages a new sequence of `tokens` can start from: its longest cached run of
+        full pages, leaving at least its last token to compute (its logits are wanted)."""
+        if self.prefix is None:
+            return []
+        return self.prefix.match(tokens, (len(tokens) - 1) // self.page_size)
+
+    def pages_needed_after(self, prefix: list[Entry], num_tokens: int) -> int:
+        """Pages a new sequence of `num_tokens` starting from `prefix` takes from
+        `num_free` (idle cached pages of its prefix leave the pool as it holds them)."""
+        assert self.prefix is not None or not prefix
+        idle = sum(self.prefix.is_idle(e.page) for e in prefix) if prefix else 0
+        return -(-num_tokens // self.page_size) - len(prefix) + idle
+
+    def attach_prefix(self, seq_id: int, prefix: list[Entry], num_tokens: int) -> int:
+        """Start `seq_id` (holding no pages) from the cached `prefix`, counting the lookup of
+        its first `num_tokens` tokens; returns the tokens it need not compute."""
+        assert seq_id not in self._tables, f"sequence {seq_id} holds pages already"
+        if self.prefix is None:
+            return 0
+        self.prefix.queried_tokens += num_tokens
+        if not prefix:
+            return 0
+        for entry in prefix:
+            self.prefix.acquire(entry.page)
+        self._tables[seq_id] = [e.page for e in prefix]
+        self._leases[seq_id] = next(self._next_lease)
+        self._chains[seq_id] = (len(prefix), prefix[-1].id)
+        cached = len(prefix) * self.page_size
+        self.lengths[seq_id] = cached
+        self.prefix.hit_tokens += cached
+        return cached
+
+    def cache_computed(self, seq_id: int, token_slice: Callable[[int, int], list[int]],
+                       computed: int) -> None:
+        """Register the full pages among `seq_id`'s first `computed` tokens that are not
+        cached yet; `token_slice(start, end)` gives its tokens (read only for new pages)."""
+        if self.prefix is None or seq_id not in self._tables:
+            return
+        done, parent = self._chains.get(seq_id, (0, ROOT))
+        full = computed // self.page_size
+        if full <= done:
+            return
+        p, table = self.page_size, self._tables[seq_id]
+        tokens = token_slice(done * p, full * p)
+        for i in range(full - done):
+            entry = self.prefix.register(parent, tuple(tokens[i * p:(i + 1) * p]),
+                                         table[done + i])
+            parent = entry.id
+        self._chains[seq_id] = (full, parent)
 
     def keep(self, cache: KVCache, kept: list[tuple[int, int, list[int]]]) -> None:
         """For each (seq_id, start, keep_offsets): keep the tokens at logical indices

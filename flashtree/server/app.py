@@ -200,8 +200,7 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
             if delta.finished:
                 break
             delta = await anext(stream)
-        usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                 "total_tokens": len(ids) + len(tokens)}
+        usage = _usage(len(ids), len(tokens), delta.cached_tokens)
         if kind == "chat.completion":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "finish_reason": delta.finish_reason}
@@ -218,7 +217,7 @@ async def _sse(stream: AsyncIterator[Delta], first: Delta, rid: str, created: in
                model: str, prompt_tokens: int, include_usage: bool, prefix: str):
     """Server-sent events: one chunk per delta (a verify step's tokens arrive together)."""
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
 
     def event(choices, usage=None) -> str:
         body = {"id": rid, "object": chunk_kind, "created": created, "model": model,
@@ -234,23 +233,30 @@ async def _sse(stream: AsyncIterator[Delta], first: Delta, rid: str, created: in
         yield event([{"index": 0, "text": prefix, "finish_reason": None}])
     delta = first
     try:
-        async for chunk in _sse_chunks(stream, delta, kind, event):
-            completion_tokens += chunk[1]
-            yield chunk[0]
+        async for text, tokens, cached in _sse_chunks(stream, delta, kind, event):
+            completion_tokens += tokens
+            cached_tokens = cached
+            yield text
     finally:
         await stream.aclose()  # a client that went away aborts the request and frees its KV
     if include_usage:
-        yield event([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens})
+        yield event([], _usage(prompt_tokens, completion_tokens, cached_tokens))
     yield "data: [DONE]\n\n"
 
 
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
 async def _sse_chunks(stream: AsyncIterator[Delta], delta: Delta, kind: str, event):
-    """(event text, tokens in it) for each delta until the request finishes."""
+    """(event text, tokens in it, the request's cached prompt tokens) for each delta until the
+    request finishes."""
     while True:
         if delta.error:
             err = {"error": {"message": f"request failed: {delta.error}", "type": "server_error"}}
-            yield f"data: {json.dumps(err)}\n\n", 0
+            yield f"data: {json.dumps(err)}\n\n", 0, delta.cached_tokens
             return
         reason = delta.finish_reason if delta.finished else None
         if kind == "chat.completion":
@@ -259,9 +265,9 @@ async def _sse_chunks(stream: AsyncIterator[Delta], delta: Delta, kind: str, eve
         else:
             choice = {"index": 0, "text": delta.text, "finish_reason": reason}
         if delta.text or reason:
-            yield event([choice]), len(delta.token_ids)
+            yield event([choice]), len(delta.token_ids), delta.cached_tokens
         else:
-            yield "", len(delta.token_ids)
+            yield "", len(delta.token_ids), delta.cached_tokens
         if delta.finished:
             return
         delta = await anext(stream)

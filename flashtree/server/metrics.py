@@ -40,6 +40,9 @@ class ServerMetrics:
         self.budgets = _Totals(r, "spec_decode_budget_request_steps",
                                "Request-steps by the draft budget chosen (0: plain decoding)",
                                "budget", vllm=False)
+        self.prefix_queries = _Totals(r, "prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = _Totals(r, "prefix_cache_hits", "Prompt tokens found there")
         self.speculative_steps = _Totals(r, "spec_decode_speculative_steps",
                                          "Decode steps that drafted, by the step's number of "
                                          "requests", "batch", vllm=False)
@@ -61,6 +64,9 @@ class ServerMetrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(1 - pages.num_free / pages.num_pages)
+        if pages.prefix is not None:
+            self.prefix_queries.sync({"": pages.prefix.queried_tokens})
+            self.prefix_hits.sync({"": pages.prefix.hit_tokens})
         if engine.speculative is not None:
             stats = engine.speculative.stats
             self.drafts.sync({"": stats.num_drafts})

@@ -126,3 +126,27 @@ def test_errors_name_the_field_in_param(client):
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
     assert e.value.body["param"] == "messages.0.content"
     assert "'image_url' is not supported; allowed: strings and parts" in e.value.body["message"]
+
+
+def test_prefix_cache_reported_in_usage_and_metrics(client, server):
+    """A repeated long prompt finds its full pages cached: `usage.prompt_tokens_details.
+    cached_tokens` says how many prompt tokens (streamed too), the prefix-cache counters move
+    under flashtree's and vLLM's names, and the answer is the same."""
+    base = server[0]
+    before = {n: metric(base, n) for n in (
+        "flashtree:prefix_cache_queries_total", "flashtree:prefix_cache_hits_total",
+        "vllm:prefix_cache_hits_total")}
+    kw = dict(model=MODEL, prompt="The sea is wide and deep. " * 12, max_tokens=8,
+              temperature=0, extra_body={"ignore_eos": True})
+    first = client.completions.create(**kw)
+    again = client.completions.create(**kw)
+    _, streamed, _ = _stream_text(client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw))
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0  # full pages only
+    assert streamed.prompt_tokens_details.cached_tokens == cached
+    assert again.choices[0].text == first.choices[0].text
+    assert metric(base, "flashtree:prefix_cache_queries_total") - before[
+        "flashtree:prefix_cache_queries_total"] >= 3 * again.usage.prompt_tokens
+    for name in ("flashtree:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"):
+        assert metric(base, name) - before[name] >= 2 * cached

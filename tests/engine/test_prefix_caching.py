@@ -1,0 +1,98 @@
+"""Prefix caching composes with speculation: the default model with its shipped drafter, with
+caching on and off, gives the same tokens and the same per-step acceptance lengths (the drafter
+read the same context) for `none`, DFlash and DDTree, greedy and with seeded sampling, over
+multi-turn conversations sharing a system prompt (turn-one requests arrive together, so they
+share a prefix still being computed), and in a pool so small that requests are preempted and
+cached pages evicted. The cache must really be used (hits, evictions), and after every run the
+pool is whole: every page free or cached and held by no request."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flashtree import LLM, SamplingParams
+
+SYSTEM = 70  # tokens shared by every conversation: four full 16-token pages and a part
+CONVERSATIONS = 3
+TURNS = 2
+NEW_TOKENS = 20
+
+
+def _conversation_prompts(seed: int) -> tuple[list[int], list[list[int]]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(200, 20000) for _ in range(SYSTEM)]
+    users = [[rng.randrange(200, 20000) for _ in range(9 + 5 * i)] for i in range(CONVERSATIONS)]
+    return system, users
+
+
+def _chat(llm: LLM, params: SamplingParams, seed: int) -> list[tuple[list[int], list[int]]]:
+    """A request on the system prompt that ends at its first token (its drafter context rows
+    are still held back then: the cache must not lose them), then every conversation's turns,
+    each turn's requests together; a later turn's prompt is the earlier prompt, its answer and a
+    new user message. -> (tokens, acceptance lengths) of every request."""
+    system, users = _conversation_prompts(seed)
+    first = llm.generate([system + [201]], SamplingParams(max_tokens=1, ignore_eos=True))
+    prompts = [system + u for u in users]
+    results = [(first[0].outputs[0].token_ids, [])]
+    for turn in range(TURNS):
+        outs = llm.generate(prompts, params)
+        results += [(o.outputs[0].token_ids, o.outputs[0].spec_accept_lengths) for o in outs]
+        rng = random.Random(seed * 10 + turn)
+        prompts = [p + o.outputs[0].token_ids + [rng.randrange(200, 20000) for _ in range(6)]
+                   for p, o in zip(prompts, outs)]
+    return results
+
+
+def _assert_pool_whole(llm: LLM) -> None:
+    pages = llm.engine.pages
+    assert not llm.engine.scheduler.has_work()
+    assert pages.num_free == pages.num_pages
+    assert not pages._tables and not pages._chains
+
+
+@pytest.mark.parametrize("spec", ["none", "dflash", "ddtree"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_multi_turn_outputs_equal_with_and_without_caching(spec, temperature):
+    params = SamplingParams(temperature=temperature, max_tokens=NEW_TOKENS, ignore_eos=True,
+                            seed=None if temperature == 0 else 7)
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(model="default", spec=spec, spec_policy="fixed", skip_tokenizer_init=True,
+                  device="cpu", dtype="float32", max_model_len=256, page_size=16,
+                  enable_prefix_caching=caching)
+        runs[caching] = _chat(llm, params, seed=1)
+        _assert_pool_whole(llm)
+        if caching:
+            prefix = llm.engine.pages.prefix
+            # Turn one reuses the system prompt's pages of whichever request computed them
+            # first at most; turn two reuses each conversation's whole first turn.
+            assert prefix.hit_tokens >= CONVERSATIONS * (SYSTEM + NEW_TOKENS) // 16 * 16
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("spec", ["none", "ddtree"])
+def test_preemption_and_eviction_in_a_small_pool(spec):
+    """Four 110-token requests in a 24-page pool (27 pages wanted): requests are preempted and
+    readmitted from the cache, and cached pages are evicted for new ones. Tokens only: a
+    readmitted request recomputes less with caching, so its steps differ (a recompute whose
+    last token only is left runs as a decode step)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    rng = random.Random(3)
+    shared = [rng.randrange(200, 20000) for _ in range(48)]
+    prompts = [shared + [rng.randrange(200, 20000) for _ in range(60 + 4 * i)]
+               for i in range(4)]
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(model="default", spec=spec, spec_policy="fixed", skip_tokenizer_init=True,
+                  device="cpu", dtype="float32", max_model_len=256, page_size=16,
+                  kv_cache_pages=24, enable_prefix_caching=caching)
+        outs = llm.generate(prompts, params)
+        runs[caching] = [o.outputs[0].token_ids for o in outs]
+        assert llm.engine.scheduler.num_preemptions > 0
+        _assert_pool_whole(llm)
+        if caching:
+            assert llm.engine.pages.prefix.evictions > 0
+            assert llm.engine.pages.prefix.hit_tokens > 0
+    assert runs[True] == runs[False]
