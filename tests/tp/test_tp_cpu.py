@@ -54,6 +54,28 @@ def test_tp2_equals_tp1(tiny, spec):
     assert got == want
 
 
+@pytest.mark.parametrize("spec", ["none", "ddtree"])
+def test_tp2_reuses_cached_prefixes_like_tp1_computes_them(tiny, spec):
+    """Prompts sharing three full pages, sent twice: TP=2 with prefix caching (every rank
+    keeps the same page tables) returns what TP=1 computes without it."""
+    shared = [(7 * i) % 60 + 1 for i in range(50)]
+    prompts = [shared + [i + 1, i + 2] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    target, drafter = tiny
+    extra = {} if spec == "none" else {"draft": str(drafter), "spec": spec, "spec_policy": "fixed"}
+    one = LLM(model=str(target), device="cpu", skip_tokenizer_init=True,
+              enable_prefix_caching=False, **extra)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts + prompts, params)]
+    two = _llm(tiny, spec, 2)
+    try:
+        got = [o.outputs[0].token_ids for _ in range(2) for o in two.generate(prompts, params)]
+        # The first round arrives together (nothing cached yet); the second finds 48 each.
+        assert two.engine.pages.prefix.hit_tokens == 3 * 48
+    finally:
+        two.shutdown()
+    assert got == want
+
+
 def test_killed_worker_stops_the_engine_naming_its_rank(tiny):
     llm = _llm(tiny, "ddtree", 2)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
