@@ -74,15 +74,18 @@ class Scheduler:
                 if chunk is not None:
                     chunks.append(chunk)
                     budget -= chunk.count
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.cfg.max_num_seqs:
+                break
             tokens = seq.token_slice(0, seq.num_tokens)
             prefix = self.pages.cached_prefix(tokens)
+            if self._prefix_in_flight(tokens, len(prefix)):
+                continue  # admitted once those pages are computed, to share them
             # Admit only when the whole remaining prompt fits in free pages, so that admitted
             # sequences rarely need to preempt each other.
             if self.pages.pages_needed_after(prefix, seq.num_tokens) > self.pages.num_free:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.num_computed = self.pages.attach_prefix(seq.seq_id, prefix, seq.num_tokens)
             if not seq.output_ids:  # a first admission (a readmission recomputes outputs)
                 seq.num_cached_tokens = seq.num_computed
@@ -93,6 +96,26 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.count
         return chunks
+
+    def _prefix_in_flight(self, tokens: list[int], cached_pages: int) -> bool:
+        """Whether a running sequence is still computing full pages that `tokens` would find
+        cached once computed, beyond the `cached_pages` found now (requests that arrive
+        together with one system prompt, the n choices of one request)."""
+        if self.pages.prefix is None:
+            return False
+        p = self.pages.page_size
+        wanted = (len(tokens) - 1) // p  # pages a new sequence may take from the cache
+        for other in self.running:
+            if other.num_computed // p >= wanted or other.num_uncomputed <= 1:
+                continue  # its pages are cached already, or it computes none
+            mine = other.token_slice(0, min(other.num_tokens, wanted * p))
+            shared = 0
+            while shared < len(mine) // p and (mine[shared * p:(shared + 1) * p]
+                                               == tokens[shared * p:(shared + 1) * p]):
+                shared += 1
+            if shared > cached_pages and shared > other.num_computed // p:
+                return True
+        return False
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
         count = min(seq.num_uncomputed, budget)

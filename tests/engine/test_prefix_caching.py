@@ -96,3 +96,21 @@ def test_preemption_and_eviction_in_a_small_pool(spec):
             assert llm.engine.pages.prefix.evictions > 0
             assert llm.engine.pages.prefix.hit_tokens > 0
     assert runs[True] == runs[False]
+
+
+def test_requests_arriving_together_wait_for_the_shared_prefix_and_reuse_it():
+    """Three requests on one 70-token system prompt arrive together, with prompts prefilled
+    in 32-token chunks: the first computes the prompt's four full pages, the others are
+    admitted once it has and reuse them, and every answer is what it is without caching."""
+    system, users = _conversation_prompts(seed=5)
+    prompts = [system + u for u in users]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(model="default", spec="none", skip_tokenizer_init=True, device="cpu",
+                  dtype="float32", max_model_len=256, page_size=16, max_num_batched_tokens=32,
+                  enable_prefix_caching=caching)
+        runs[caching] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        _assert_pool_whole(llm)
+    assert runs[True] == runs[False]
+    assert llm.engine.pages.prefix.hit_tokens == (CONVERSATIONS - 1) * 64
