@@ -228,27 +228,31 @@ class LLM:
         encoded: list[list[int]],
         params_list: list[SamplingParams],
     ) -> list[RequestOutput]:
-        seqs: list[Sequence] = []
+        choices: list[list[Sequence]] = []  # per prompt, its n choices
         try:
             for ids, params in zip(encoded, params_list):
-                seqs.append(self.engine.add_request(ids, params))
-            while any(not s.is_finished for s in seqs):
+                choices.append([])
+                for i in range(params.n):
+                    choices[-1].append(self.engine.add_request(ids, params.choice(i)))
+            while any(not s.is_finished for seqs in choices for s in seqs):
                 self.engine.step()
         finally:
-            for s in seqs:
-                self.engine.abort(s)
+            for seqs in choices:
+                for s in seqs:
+                    self.engine.abort(s)
         return [
             RequestOutput(
-                request_id=str(s.seq_id),
+                request_id=str(seqs[0].seq_id),
                 prompt=p,
-                prompt_token_ids=s.prompt_ids,
+                prompt_token_ids=seqs[0].prompt_ids,
                 outputs=[
-                    CompletionOutput(0, s.text, list(s.output_ids), s.finish_reason,
+                    CompletionOutput(i, s.text, list(s.output_ids), s.finish_reason,
                                      list(s.spec_accept_lengths))
+                    for i, s in enumerate(seqs)
                 ],
                 finished=True,
             )
-            for p, s in zip(prompts, seqs)
+            for p, seqs in zip(prompts, choices)
         ]
 
     def _encode(self, prompt: Prompt) -> list[int]:

@@ -3,6 +3,7 @@ speculative decoding: penalties, temperature, top-k, top-p, min-p, then a seeded
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1  # choices per prompt, each sampled on its own (`choice`)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -41,6 +43,7 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.max_tokens, "max_tokens", self.max_tokens >= 1, ">= 1 (or None)",
                    integer=True)
+        _check(self.n, "n", isinstance(self.n, int) and self.n >= 1, ">= 1", integer=True)
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -53,6 +56,12 @@ class SamplingParams:
         if not all(isinstance(i, int) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {ids!r}")
         self.stop_token_ids = list(ids)
+
+    def choice(self, i: int) -> SamplingParams:
+        """The parameters of choice i of n: one choice, seeded seed + i (so that a seeded
+        request's choices are reproducible, and choice i equals a request seeded seed + i)."""
+        seed = None if self.seed is None else self.seed + i
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

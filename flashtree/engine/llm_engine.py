@@ -136,6 +136,9 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Validate and queue one request. Raises ValueError naming what is wrong."""
         max_len = self.args.scheduler.max_model_len
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: the engine takes one choice per request; add "
+                             "params.choice(i) for each (LLM.generate and the server do)")
         if not prompt_ids:
             raise ValueError("prompt is empty; give at least one token")
         if len(prompt_ids) >= max_len:

@@ -4,12 +4,11 @@ with a 4xx status that says what was wrong; the engine keeps serving everything 
 from __future__ import annotations
 
 import contextlib
-import json
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -19,7 +18,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flashtree.engine.async_engine import AsyncEngine, Delta
+from flashtree.engine.async_engine import AsyncEngine
+from flashtree.server import responses
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -178,99 +178,23 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
         return await _respond(engine, ids, params, body, "chat.completion", "")
 
     async def _respond(engine: AsyncEngine, ids, params, body, kind: str, prefix: str):
-        stream = engine.generate(ids, params)
         try:
-            first = await anext(stream)
+            streams, firsts = await responses.start(engine, ids, params)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
+        reply = responses.Reply(
+            f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+            int(time.time()), kind, cfg.model_name, len(ids), prefix)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                _sse(stream, first, rid, created, kind, cfg.model_name, len(ids), include_usage,
-                     prefix),
-                media_type="text/event-stream")
-        text, tokens, delta = prefix, [], first
-        while True:
-            if delta.error:
-                raise ApiError(500, f"request failed: {delta.error}")
-            text += delta.text
-            tokens += delta.token_ids
-            if delta.finished:
-                break
-            delta = await anext(stream)
-        usage = _usage(len(ids), len(tokens), delta.cached_tokens)
-        if kind == "chat.completion":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": delta.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": delta.finish_reason,
-                      "logprobs": None}
-        return {"id": rid, "object": kind, "created": created, "model": cfg.model_name,
-                "choices": [choice], "usage": usage}
+            return StreamingResponse(responses.events(reply, streams, firsts, include_usage),
+                                     media_type="text/event-stream")
+        try:
+            return await responses.body(reply, streams, firsts)
+        except responses.ChoiceFailed as e:
+            raise ApiError(500, str(e)) from None
 
     return app
-
-
-async def _sse(stream: AsyncIterator[Delta], first: Delta, rid: str, created: int, kind: str,
-               model: str, prompt_tokens: int, include_usage: bool, prefix: str):
-    """Server-sent events: one chunk per delta (a verify step's tokens arrive together)."""
-    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
-    completion_tokens = cached_tokens = 0
-
-    def event(choices, usage=None) -> str:
-        body = {"id": rid, "object": chunk_kind, "created": created, "model": model,
-                "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
-
-    if kind == "chat.completion":
-        yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                      "finish_reason": None}])
-    elif prefix:
-        yield event([{"index": 0, "text": prefix, "finish_reason": None}])
-    delta = first
-    try:
-        async for text, tokens, cached in _sse_chunks(stream, delta, kind, event):
-            completion_tokens += tokens
-            cached_tokens = cached
-            yield text
-    finally:
-        await stream.aclose()  # a client that went away aborts the request and frees its KV
-    if include_usage:
-        yield event([], _usage(prompt_tokens, completion_tokens, cached_tokens))
-    yield "data: [DONE]\n\n"
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-async def _sse_chunks(stream: AsyncIterator[Delta], delta: Delta, kind: str, event):
-    """(event text, tokens in it, the request's cached prompt tokens) for each delta until the
-    request finishes."""
-    while True:
-        if delta.error:
-            err = {"error": {"message": f"request failed: {delta.error}", "type": "server_error"}}
-            yield f"data: {json.dumps(err)}\n\n", 0, delta.cached_tokens
-            return
-        reason = delta.finish_reason if delta.finished else None
-        if kind == "chat.completion":
-            content = {"content": delta.text} if delta.text else {}
-            choice = {"index": 0, "delta": content, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": delta.text, "finish_reason": reason}
-        if delta.text or reason:
-            yield event([choice]), len(delta.token_ids), delta.cached_tokens
-        else:
-            yield "", len(delta.token_ids), delta.cached_tokens
-        if delta.finished:
-            return
-        delta = await anext(stream)
 
 
 def load_in_background(state: ServerState, make_llm: Callable[[], object]) -> threading.Thread:

@@ -18,6 +18,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+MAX_N = 16  # choices one request may ask for
+
+
 class _SamplingFields(_Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -33,7 +36,7 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -54,7 +57,7 @@ class _SamplingFields(_Strict):
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             max_tokens=self.max_tokens or default_max_tokens, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, n=self.n,
         )
 
 

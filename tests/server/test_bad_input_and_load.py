@@ -40,7 +40,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1000}, 400, "limit"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),

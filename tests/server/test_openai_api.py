@@ -150,3 +150,25 @@ def test_prefix_cache_reported_in_usage_and_metrics(client, server):
         "flashtree:prefix_cache_queries_total"] >= 3 * again.usage.prompt_tokens
     for name in ("flashtree:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"):
         assert metric(base, name) - before[name] >= 2 * cached
+
+
+def test_n_choices_are_the_seeded_single_requests(client):
+    """n=3 seeded: choice i is the request seeded seed + i, non-streamed and streamed (the
+    choices' events interleave, each carries its index); usage counts the prompt once."""
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=10, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    many = client.chat.completions.create(n=3, seed=40, **kw)
+    singles = [client.chat.completions.create(seed=40 + i, **kw) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [
+        s.choices[0].message.content for s in singles]
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    texts, usage = ["", "", ""], None
+    for chunk in client.chat.completions.create(n=3, seed=40, stream=True,
+                                                stream_options={"include_usage": True}, **kw):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in many.choices]
+    assert usage.completion_tokens == many.usage.completion_tokens

@@ -1,0 +1,160 @@
+"""One API request's answer: its `n` choices, each an engine request of its own
+(`SamplingParams.choice`: choice i is seeded seed + i), collected into one response body or
+merged into one stream of server-sent events. The choices start together; the scheduler lets
+the later ones wait for the first to compute the prompt's pages, then reuse them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from flashtree.engine.async_engine import AsyncEngine, Delta
+from flashtree.sampling import SamplingParams
+
+
+class ChoiceFailed(RuntimeError):
+    """A choice's request failed in the engine (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the response needs to know of a request besides its choices."""
+
+    rid: str
+    created: int
+    kind: str  # "chat.completion" or "text_completion"
+    model: str
+    prompt_tokens: int
+    prefix: str  # text each choice starts with (completions' echo)
+
+
+async def start(engine: AsyncEngine, ids: list[int], params: SamplingParams
+                ) -> tuple[list[AsyncIterator[Delta]], list[Delta]]:
+    """Submit every choice and wait for each one's first delta. Raises ValueError (a bad
+    request; every choice is aborted) before anything is returned."""
+    streams = [engine.generate(ids, params.choice(i)) for i in range(params.n)]
+    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    failed = [f for f in firsts if isinstance(f, BaseException)]
+    if failed:
+        await _close(streams)
+        raise failed[0]
+    return streams, firsts  # type: ignore[return-value]
+
+
+async def body(reply: Reply, streams: list[AsyncIterator[Delta]], firsts: list[Delta]) -> dict:
+    """The whole response once every choice has finished. Raises ChoiceFailed."""
+    try:
+        done = await asyncio.gather(*(_collect(s, f) for s, f in zip(streams, firsts)))
+    finally:
+        await _close(streams)
+    choices = []
+    for i, (text, _, last) in enumerate(done):
+        if reply.kind == "chat.completion":
+            choices.append({"index": i, "message": {"role": "assistant",
+                                                    "content": reply.prefix + text},
+                            "finish_reason": last.finish_reason})
+        else:
+            choices.append({"index": i, "text": reply.prefix + text,
+                            "finish_reason": last.finish_reason, "logprobs": None})
+    completion = sum(tokens for _, tokens, _ in done)
+    return {"id": reply.rid, "object": reply.kind, "created": reply.created,
+            "model": reply.model, "choices": choices,
+            "usage": usage(reply.prompt_tokens, completion, done[0][2].cached_tokens)}
+
+
+async def _collect(stream: AsyncIterator[Delta], delta: Delta) -> tuple[str, int, Delta]:
+    """(text, tokens, the last delta) of one choice."""
+    text, tokens = "", 0
+    while True:
+        if delta.error:
+            raise ChoiceFailed(f"request failed: {delta.error}")
+        text += delta.text
+        tokens += len(delta.token_ids)
+        if delta.finished:
+            return text, tokens, delta
+        delta = await anext(stream)
+
+
+async def events(reply: Reply, streams: list[AsyncIterator[Delta]], firsts: list[Delta],
+                 include_usage: bool):
+    """Server-sent events of every choice as its deltas arrive (a verify step's tokens come
+    together), then the usage if asked, then [DONE]."""
+    chunk_kind = "chat.completion.chunk" if reply.kind == "chat.completion" else "text_completion"
+
+    def event(choices: list[dict], usage_body: dict | None = None) -> str:
+        out = {"id": reply.rid, "object": chunk_kind, "created": reply.created,
+               "model": reply.model, "choices": choices}
+        if usage_body is not None:
+            out["usage"] = usage_body
+        return f"data: {json.dumps(out)}\n\n"
+
+    for i in range(len(streams)):
+        if reply.kind == "chat.completion":
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "finish_reason": None}])
+        elif reply.prefix:
+            yield event([{"index": i, "text": reply.prefix, "finish_reason": None}])
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for item in _choice_events(streams[i], firsts[i], i, reply.kind, event):
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    completion, cached, running = 0, firsts[0].cached_tokens, len(tasks)
+    try:
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+                continue
+            text, tokens = item
+            completion += tokens
+            if text:
+                yield text
+    finally:  # a client that went away aborts every choice and frees its KV
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close(streams)
+    if include_usage:
+        yield event([], usage(reply.prompt_tokens, completion, cached))
+    yield "data: [DONE]\n\n"
+
+
+async def _choice_events(stream: AsyncIterator[Delta], delta: Delta, index: int, kind: str,
+                         event):
+    """(event text, tokens in it) for each delta of one choice until it finishes."""
+    while True:
+        if delta.error:
+            err = {"error": {"message": f"request failed: {delta.error}", "type": "server_error"}}
+            yield f"data: {json.dumps(err)}\n\n", 0
+            return
+        reason = delta.finish_reason if delta.finished else None
+        if kind == "chat.completion":
+            content = {"content": delta.text} if delta.text else {}
+            choice = {"index": index, "delta": content, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": delta.text, "finish_reason": reason}
+        yield (event([choice]) if delta.text or reason else ""), len(delta.token_ids)
+        if delta.finished:
+            return
+        delta = await anext(stream)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage: the prompt once, every choice's completion tokens, and the prompt tokens
+    the first choice found cached."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+async def _close(streams: list[AsyncIterator[Delta]]) -> None:
+    for stream in streams:
+        await stream.aclose()  # type: ignore[attr-defined]
