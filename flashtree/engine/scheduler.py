@@ -77,7 +77,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
-            tokens = seq.token_slice(0, seq.num_tokens)
+            # (a readmitted sequence recomputes its outputs too; a new one is its prompt)
+            tokens = seq.token_slice(0, seq.num_tokens) if seq.output_ids else seq.prompt_ids
             prefix = self.pages.cached_prefix(tokens)
             if self._prefix_in_flight(tokens, len(prefix)):
                 continue  # admitted once those pages are computed, to share them
@@ -108,10 +109,11 @@ class Scheduler:
         for other in self.running:
             if other.num_computed // p >= wanted or other.num_uncomputed <= 1:
                 continue  # its pages are cached already, or it computes none
-            mine = other.token_slice(0, min(other.num_tokens, wanted * p))
+            # Page by page, so that an unrelated prompt costs one page's comparison.
+            full = min(wanted, other.num_tokens // p)
             shared = 0
-            while shared < len(mine) // p and (mine[shared * p:(shared + 1) * p]
-                                               == tokens[shared * p:(shared + 1) * p]):
+            while shared < full and (other.token_slice(shared * p, (shared + 1) * p)
+                                     == tokens[shared * p:(shared + 1) * p]):
                 shared += 1
             if shared > cached_pages and shared > other.num_computed // p:
                 return True
