@@ -27,6 +27,8 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None  # the request failed; the message says why
     cached_tokens: int = 0  # prompt tokens the prefix cache held when the request started
+    # Once finished: the tokens each decode step committed (1 for a plain step).
+    accept_lengths: tuple[int, ...] = ()
 
 
 @dataclass
@@ -144,7 +146,9 @@ class AsyncEngine:
         tokens = seq.output_ids[req.sent_tokens:]
         req.sent_tokens = len(seq.output_ids)
         self._push(req, Delta(delta_text, tokens, seq.is_finished, seq.finish_reason,
-                              error=seq.error, cached_tokens=seq.num_cached_tokens))
+                              error=seq.error, cached_tokens=seq.num_cached_tokens,
+                              accept_lengths=tuple(seq.spec_accept_lengths)
+                              if seq.is_finished else ()))
         if seq.is_finished:
             del self._active[seq.seq_id]
             if self.on_finish is not None:

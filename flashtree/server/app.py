@@ -184,7 +184,7 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
             raise ApiError(400, str(e)) from None
         reply = responses.Reply(
             f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
-            int(time.time()), kind, cfg.model_name, len(ids), prefix)
+            int(time.time()), kind, cfg.model_name, len(ids), prefix, body.spec_stats)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(responses.events(reply, streams, firsts, include_usage),

@@ -36,6 +36,9 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # flashtree's extension: the response carries each choice's decode steps and the tokens
+    # they committed (`spec_decode`), how much speculation gave this request.
+    spec_stats: bool = False
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None

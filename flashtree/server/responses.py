@@ -28,6 +28,7 @@ class Reply:
     model: str
     prompt_tokens: int
     prefix: str  # text each choice starts with (completions' echo)
+    spec_stats: bool = False  # add each choice's speculation numbers (`spec_decode`)
 
 
 async def start(engine: AsyncEngine, ids: list[int], params: SamplingParams
@@ -59,9 +60,19 @@ async def body(reply: Reply, streams: list[AsyncIterator[Delta]], firsts: list[D
             choices.append({"index": i, "text": reply.prefix + text,
                             "finish_reason": last.finish_reason, "logprobs": None})
     completion = sum(tokens for _, tokens, _ in done)
-    return {"id": reply.rid, "object": reply.kind, "created": reply.created,
-            "model": reply.model, "choices": choices,
-            "usage": usage(reply.prompt_tokens, completion, done[0][2].cached_tokens)}
+    out = {"id": reply.rid, "object": reply.kind, "created": reply.created,
+           "model": reply.model, "choices": choices,
+           "usage": usage(reply.prompt_tokens, completion, done[0][2].cached_tokens)}
+    if reply.spec_stats:
+        out["spec_decode"] = [spec_decode(i, last) for i, (_, _, last) in enumerate(done)]
+    return out
+
+
+def spec_decode(index: int, last: Delta) -> dict:
+    """One choice's decode steps, the tokens they committed, and their mean."""
+    steps, tokens = len(last.accept_lengths), sum(last.accept_lengths)
+    return {"index": index, "decode_steps": steps, "decode_tokens": tokens,
+            "tokens_per_step": tokens / steps if steps else 0.0}
 
 
 async def _collect(stream: AsyncIterator[Delta], delta: Delta) -> tuple[str, int, Delta]:
@@ -80,14 +91,13 @@ async def _collect(stream: AsyncIterator[Delta], delta: Delta) -> tuple[str, int
 async def events(reply: Reply, streams: list[AsyncIterator[Delta]], firsts: list[Delta],
                  include_usage: bool):
     """Server-sent events of every choice as its deltas arrive (a verify step's tokens come
-    together), then the usage if asked, then [DONE]."""
+    together), then the usage if asked (and the speculation numbers, if asked), then
+    [DONE]."""
     chunk_kind = "chat.completion.chunk" if reply.kind == "chat.completion" else "text_completion"
 
-    def event(choices: list[dict], usage_body: dict | None = None) -> str:
+    def event(choices: list[dict], **extra) -> str:
         out = {"id": reply.rid, "object": chunk_kind, "created": reply.created,
-               "model": reply.model, "choices": choices}
-        if usage_body is not None:
-            out["usage"] = usage_body
+               "model": reply.model, "choices": choices, **extra}
         return f"data: {json.dumps(out)}\n\n"
 
     for i in range(len(streams)):
@@ -101,20 +111,22 @@ async def events(reply: Reply, streams: list[AsyncIterator[Delta]], firsts: list
     async def pump(i: int) -> None:
         try:
             async for item in _choice_events(streams[i], firsts[i], i, reply.kind, event):
-                await queue.put(item)
+                await queue.put((i, *item))
         finally:
             await queue.put(None)
 
     tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
     completion, cached, running = 0, firsts[0].cached_tokens, len(tasks)
+    last = list(firsts)
     try:
         while running:
             item = await queue.get()
             if item is None:
                 running -= 1
                 continue
-            text, tokens = item
-            completion += tokens
+            i, text, delta = item
+            completion += len(delta.token_ids)
+            last[i] = delta
             if text:
                 yield text
     finally:  # a client that went away aborts every choice and frees its KV
@@ -123,17 +135,19 @@ async def events(reply: Reply, streams: list[AsyncIterator[Delta]], firsts: list
         await asyncio.gather(*tasks, return_exceptions=True)
         await _close(streams)
     if include_usage:
-        yield event([], usage(reply.prompt_tokens, completion, cached))
+        yield event([], usage=usage(reply.prompt_tokens, completion, cached))
+    if reply.spec_stats:
+        yield event([], spec_decode=[spec_decode(i, d) for i, d in enumerate(last)])
     yield "data: [DONE]\n\n"
 
 
 async def _choice_events(stream: AsyncIterator[Delta], delta: Delta, index: int, kind: str,
                          event):
-    """(event text, tokens in it) for each delta of one choice until it finishes."""
+    """(event text, the delta) for each delta of one choice until it finishes."""
     while True:
         if delta.error:
             err = {"error": {"message": f"request failed: {delta.error}", "type": "server_error"}}
-            yield f"data: {json.dumps(err)}\n\n", 0
+            yield f"data: {json.dumps(err)}\n\n", delta
             return
         reason = delta.finish_reason if delta.finished else None
         if kind == "chat.completion":
@@ -141,7 +155,7 @@ async def _choice_events(stream: AsyncIterator[Delta], delta: Delta, index: int,
             choice = {"index": index, "delta": content, "finish_reason": reason}
         else:
             choice = {"index": index, "text": delta.text, "finish_reason": reason}
-        yield (event([choice]) if delta.text or reason else ""), len(delta.token_ids)
+        yield (event([choice]) if delta.text or reason else ""), delta
         if delta.finished:
             return
         delta = await anext(stream)

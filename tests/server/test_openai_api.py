@@ -172,3 +172,22 @@ def test_n_choices_are_the_seeded_single_requests(client):
             texts[choice.index] += choice.delta.content or ""
     assert texts == [c.message.content for c in many.choices]
     assert usage.completion_tokens == many.usage.completion_tokens
+
+
+def test_spec_stats_report_each_choices_decode_steps(client):
+    """`spec_stats` (flashtree's extension) adds each choice's decode steps and the tokens they
+    committed: every token but the first (sampled at the end of the prompt), non-streamed and
+    in a last streamed chunk."""
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, n=2,
+              extra_body={"ignore_eos": True, "spec_stats": True})
+    full = client.chat.completions.create(**kw)
+    stats = full.model_extra["spec_decode"]
+    assert [s["index"] for s in stats] == [0, 1]
+    for s in stats:
+        assert s["decode_tokens"] == 11 and 1 <= s["decode_steps"] <= 11
+        assert s["tokens_per_step"] == s["decode_tokens"] / s["decode_steps"]
+    streamed = [chunk.model_extra.get("spec_decode") for chunk in
+                client.chat.completions.create(stream=True, **kw)]
+    assert streamed[-1] == stats and not any(streamed[:-1])
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+    assert "spec_decode" not in (plain.model_extra or {})
