@@ -20,7 +20,6 @@ attention section's calls through Triton's interpreter).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_bench import Scratch, median_ms  # noqa: E402
 from benchmarks.moe_bench import decode_forward  # noqa: E402
+from benchmarks.results_file import write_results  # noqa: E402
 from flashtree import LLM  # noqa: E402
 from flashtree.attention.sdpa import SdpaBackend  # noqa: E402
 from flashtree.bench.random_pair import random_target  # noqa: E402
@@ -215,10 +215,7 @@ def main() -> None:
         res["model"] = model_section(args, device, dtype)
     res["summary"] = summary(res)
     res.update(res["summary"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(res))
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    print(report(res))
+    write_results(args.out, report(res), res)
 
 
 if __name__ == "__main__":

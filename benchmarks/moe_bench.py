@@ -21,7 +21,6 @@ the loop runs (a check of the script)."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import random
@@ -42,6 +41,7 @@ from benchmarks.gpu_bench import (  # noqa: E402
     sync,
     verify_forward,
 )
+from benchmarks.results_file import write_results  # noqa: E402
 from flashtree import LLM  # noqa: E402
 from flashtree.bench.random_pair import SHAPES as MODEL_SHAPES  # noqa: E402
 from flashtree.bench.random_pair import random_drafter, random_target  # noqa: E402
@@ -365,10 +365,7 @@ def main() -> None:
     if args.model != "none":
         res["model"] = {"shape": args.model, **measure_model(args.model, args, res["bandwidth"])}
     res.update(summary(res))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(res))
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    print(report(res))
+    write_results(args.out, report(res), res)
 
 
 if __name__ == "__main__":

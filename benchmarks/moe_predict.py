@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_file import write_results  # noqa: E402
 from flashtree.config import ModelConfig  # noqa: E402
 from flashtree.plan import _loaded_bytes, _read, kv_bytes_per_token, target_parts  # noqa: E402
 
@@ -141,10 +142,7 @@ def main() -> None:
         res["layouts"][layout] = predict(cfg, tp, ep, layer, measured["bandwidth"],
                                          args.dense_over_floor, args.allreduce_us, args.ctx,
                                          args.trials)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(res))
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    print(report(res))
+    write_results(args.out, report(res), res)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ over the others.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_file import write_results  # noqa: E402
 from flashtree import LLM, SamplingParams  # noqa: E402
 
 
@@ -104,10 +104,7 @@ def main() -> None:
     for r in runs.values():
         for row in r:
             row.pop("tokens")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    print("\n".join(lines))
+    write_results(args.out, "\n".join(lines), res)
 
 
 if __name__ == "__main__":
