@@ -22,27 +22,16 @@ import sys
 
 import torch
 
+from benchmarks.gpu_bench import paged_verify_batch
 from flashtree.attention.sdpa import SdpaBackend
 from flashtree.attention.triton import TritonBackend
-from flashtree.kv.cache import KVCache, PageTables
-from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
-from flashtree.speculative.tree import ancestor_mask
+from flashtree.kv.cache import KVCache
 
 
 def build(mode: str, batch: int, context: int, tokens: int, args, rng: random.Random):
     page = args.page_size
-    total = context + tokens
-    num_pages = batch * -(-total // page) + 1
-    pages = PageTables(num_pages, page)
-    items = []
-    for i in range(batch):
-        pages.reserve(i, total)
-        visible = None
-        if mode == "tree":
-            parents = [0] + [rng.randrange(max(0, v - 4), v) for v in range(1, tokens)]
-            visible = ancestor_mask(torch.tensor([parents]))[0].cuda()
-        items.append(BatchItem(i, context, [0] * tokens, visible=visible))
-    fb = ForwardBatch.build(Mode.VERIFY, items, pages, torch.device("cuda"))
+    meta, num_pages = paged_verify_batch(batch, context, tokens, page, mode == "tree", rng,
+                                         torch.device("cuda"))
     dtype = getattr(torch, args.dtype)
     cache = KVCache(1, num_pages, page, args.kv_heads, args.head_dim, dtype, torch.device("cuda"))
     cache.k.normal_()
@@ -51,7 +40,7 @@ def build(mode: str, batch: int, context: int, tokens: int, args, rng: random.Ra
     q = torch.randn(n, args.heads, args.head_dim, device="cuda", dtype=dtype)
     k = torch.randn(n, args.kv_heads, args.head_dim, device="cuda", dtype=dtype)
     v = torch.randn(n, args.kv_heads, args.head_dim, device="cuda", dtype=dtype)
-    return fb.attn, cache, q, k, v
+    return meta, cache, q, k, v
 
 
 def median_ms(fn, args) -> float:

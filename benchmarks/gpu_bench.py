@@ -43,9 +43,11 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.tp_bench import make_drafter, make_target, step_times  # noqa: E402
 from flashtree import LLM, SamplingParams  # noqa: E402
+from flashtree.attention.backend import AttentionMetadata  # noqa: E402
 from flashtree.bench.random_pair import QWEN3_8B, TINY  # noqa: E402
+from flashtree.kv.cache import PageTables  # noqa: E402
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR  # noqa: E402
-from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
+from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode  # noqa: E402
 from flashtree.speculative.proposer import ContextRows  # noqa: E402
 from flashtree.speculative.tree import ancestor_mask  # noqa: E402
 
@@ -205,6 +207,26 @@ def verify_item(seq_id: int, ctx: int, n: int, rng: random.Random, vocab: int,
     tokens = [rng.randrange(vocab - 1) for _ in range(n)]
     return BatchItem(seq_id, ctx, tokens, all_logits=True,
                      positions=[ctx + d for d in depth], visible=visible)
+
+
+def paged_verify_batch(batch: int, ctx: int, tokens: int, page: int, tree: bool,
+                       rng: random.Random, device: torch.device
+                       ) -> tuple[AttentionMetadata, int]:
+    """The attention metadata of one VERIFY forward of `batch` requests, each `ctx` tokens of
+    context plus `tokens` new ones (a random tree of at most 4-wide fan-in when `tree`, else a
+    chain), over a page pool of just enough pages -> (metadata, pages in the pool)."""
+    total = ctx + tokens
+    num_pages = batch * -(-total // page) + 1
+    pages = PageTables(num_pages, page)
+    items = []
+    for i in range(batch):
+        pages.reserve(i, total)
+        visible = None
+        if tree:
+            parents = [0] + [rng.randrange(max(0, v - 4), v) for v in range(1, tokens)]
+            visible = ancestor_mask(torch.tensor([parents]))[0].to(device)
+        items.append(BatchItem(i, ctx, [0] * tokens, visible=visible))
+    return ForwardBatch.build(Mode.VERIFY, items, pages, device).attn, num_pages
 
 
 def verify_forward(llm: LLM, s: Scratch, n: int, ctx: int, vocab: int) -> Callable[[], object]:

@@ -29,15 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gpu_bench import Scratch, median_ms  # noqa: E402
-from benchmarks.moe_bench import decode_forward  # noqa: E402
+from benchmarks.gpu_bench import Scratch, median_ms, paged_verify_batch  # noqa: E402
+from benchmarks.moe_bench import decode_forward, graph_ms  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
 from flashtree import LLM  # noqa: E402
 from flashtree.attention.sdpa import SdpaBackend  # noqa: E402
 from flashtree.bench.random_pair import random_target  # noqa: E402
-from flashtree.kv.cache import KVCache, PageTables  # noqa: E402
-from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode  # noqa: E402
-from flashtree.speculative.tree import ancestor_mask  # noqa: E402
+from flashtree.kv.cache import KVCache  # noqa: E402
 
 # (query heads, latent, rope) of the attention section; model configs of the model section.
 ATTENTION = {"deepseek-v3": (128, 512, 64), "tiny": (4, 16, 8)}
@@ -67,19 +65,9 @@ def latent_call(backend_cls, batch: int, ctx: int, tokens: int, shape: tuple[int
     """One layer's forward_latent over `batch` requests of `ctx` cached tokens plus `tokens`
     new ones (a random tree when `tree`) -> (a callable, the latent bytes it reads)."""
     heads, latent, rope = shape
-    rng = random.Random(batch * ctx + tokens)
     total = ctx + tokens
-    num_pages = batch * -(-total // page) + 1
-    pages = PageTables(num_pages, page)
-    items = []
-    for i in range(batch):
-        pages.reserve(i, total)
-        visible = None
-        if tree:
-            parents = [0] + [rng.randrange(max(0, v - 4), v) for v in range(1, tokens)]
-            visible = ancestor_mask(torch.tensor([parents]))[0].to(device)
-        items.append(BatchItem(i, ctx, [0] * tokens, visible=visible))
-    meta = ForwardBatch.build(Mode.VERIFY, items, pages, device).attn
+    meta, num_pages = paged_verify_batch(batch, ctx, tokens, page, tree,
+                                         random.Random(batch * ctx + tokens), device)
     cache = KVCache(1, num_pages, page, 1, latent + rope, dtype, device, v_head_dim=0)
     gen = torch.Generator(device).manual_seed(0)
     cache.k.copy_(torch.randn(cache.k.shape, generator=gen, device=device))
@@ -90,17 +78,6 @@ def latent_call(backend_cls, batch: int, ctx: int, tokens: int, shape: tuple[int
     scale = (latent + rope) ** -0.5
     return (lambda: backend.forward_latent(0, q, new, latent, scale),
             batch * total * (latent + rope) * cache.k.element_size())
-
-
-def graph_ms(fn, device: torch.device, reps: int) -> float:
-    """Median ms of `fn` replayed from a CUDA graph (eager elsewhere)."""
-    if device.type != "cuda":
-        return median_ms(fn, device, reps)
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay, device, reps)
 
 
 def attention_section(args, device: torch.device, dtype: torch.dtype) -> dict:
@@ -114,11 +91,11 @@ def attention_section(args, device: torch.device, dtype: torch.dtype) -> dict:
     for ctx in args.contexts:
         for batch in args.batches:
             fn, read = latent_call(TritonBackend, batch, ctx, 1, shape, device, dtype, 16, False)
-            ms = graph_ms(fn, device, args.reps)
+            ms = graph_ms(fn, args.reps)
             rows.append({"step": "decode", "ctx": ctx, "batch": batch, "ms": ms,
                          "tbps": read / ms / 1e9})
         fn, read = latent_call(TritonBackend, 1, ctx, TREE_NODES, shape, device, dtype, 16, True)
-        ms = graph_ms(fn, device, args.reps)
+        ms = graph_ms(fn, args.reps)
         rows.append({"step": f"verify {TREE_NODES}", "ctx": ctx, "batch": 1, "ms": ms,
                      "tbps": read / ms / 1e9})
         print(rows[-1], flush=True)
