@@ -180,3 +180,19 @@ def fp8_block_quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # [rows, cols]
     full = scale.repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
     return (w.float() / full).to(torch.float8_e4m3fn), scale
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(script: str, out: Path, *args: str, cwd: Path = REPO) -> dict:
+    """Run `benchmarks/<script>` as a user does, writing its report to `out`; asserts it
+    succeeded and returns the JSON it wrote beside the report."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args, "--out",
+                          str(out)], capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.with_suffix(".json").read_text())

@@ -7,25 +7,21 @@ GPU run cannot drift from the backend unnoticed."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import run_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mla_bench_model_section_runs_small_on_cpu(tmp_path):
     out = tmp_path / "mla.md"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "mla_bench.py"), "--shape", "tiny",
-         "--device", "cpu", "--model-ctx", "24", "--model-batches", "1,3", "--reps", "2",
-         "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-2000:]
-    res = json.loads(out.with_suffix(".json").read_text())
+    res = run_benchmark("mla_bench.py", out, "--shape", "tiny", "--device", "cpu",
+                        "--model-ctx", "24", "--model-batches", "1,3", "--reps", "2")
     model = res["model"]
     assert model["graphs"] is False and "attention" not in res
     assert all(model[f"{kind}_b{b}_ms"] > 0 for kind in ("graph", "eager") for b in (1, 3))

@@ -6,23 +6,14 @@ unnoticed."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import run_benchmark
 
 
 def test_moe_bench_runs_small_on_cpu(tmp_path):
     out = tmp_path / "moe.md"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "moe_bench.py"), "--shapes", "tiny",
-         "--model", "tiny-moe", "--ctx", "32", "--device", "cpu", "--dtype", "float32",
-         "--reps", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    res = json.loads(out.with_suffix(".json").read_text())
+    res = run_benchmark("moe_bench.py", out, "--shapes", "tiny", "--model", "tiny-moe",
+                        "--ctx", "32", "--device", "cpu", "--dtype", "float32", "--reps", "2",
+                        cwd=tmp_path)
     rows = res["shapes"]["tiny"]["rows"]
     assert [r["tokens"] for r in rows] == [1, 8, 32, 128, 16, 64]
     assert all(r["floor_ms"] > 0 and r["loop_ms"] > 0 for r in rows)

@@ -5,13 +5,13 @@ one-GPU measurements, its EP prediction never below its TP one (a busiest rank o
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -43,11 +43,7 @@ def test_busiest_of_several_groups_holds_at_least_the_mean():
 def test_script_predicts_from_the_committed_measurements(tmp_path):
     out = tmp_path / "pred.md"
     moe = ROOT / "benchmarks" / "results" / "2026-12-04-moe-gpu.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_predict.py"),
-                          "--moe", str(moe), "--trials", "50", "--out", str(out)],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode == 0, run.stderr
-    res = json.loads(out.with_suffix(".json").read_text())
+    res = run_benchmark("moe_predict.py", out, "--moe", str(moe), "--trials", "50")
     assert res["prediction"] is True and "PREDICTION" in out.read_text()
     tp, ep = res["layouts"]["tp8"], res["layouts"]["ep8"]
     for t, e in zip(tp, ep):

@@ -4,22 +4,13 @@ report carries the ratio it was written for."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import run_benchmark
 
 
 def test_prefix_bench_runs_small(tmp_path):
     out = tmp_path / "prefix.md"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "prefix_bench.py"), "--prefix-tokens", "40",
-         "--conversations", "2", "--turns", "2", "--user-tokens", "5", "--max-tokens", "4",
-         "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-2000:]
-    res = json.loads(out.with_suffix(".json").read_text())
+    res = run_benchmark("prefix_bench.py", out, "--prefix-tokens", "40", "--conversations", "2",
+                        "--turns", "2", "--user-tokens", "5", "--max-tokens", "4")
     assert res["same_answers"] is True
     on, off = res["runs"]["on"], res["runs"]["off"]
     assert all(r["cached_tokens"] == 0 for r in off)
