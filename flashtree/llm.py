@@ -247,10 +247,13 @@ class LLM:
                 prompt_token_ids=seqs[0].prompt_ids,
                 outputs=[
                     CompletionOutput(i, s.text, list(s.output_ids), s.finish_reason,
-                                     list(s.spec_accept_lengths))
+                                     list(s.spec_accept_lengths),
+                                     None if s.params.logprobs is None else list(s.logprobs))
                     for i, s in enumerate(seqs)
                 ],
                 finished=True,
+                prompt_logprobs=(None if seqs[0].params.prompt_logprobs is None
+                                 else list(seqs[0].prompt_logprobs)),
             )
             for p, seqs in zip(prompts, choices)
         ]

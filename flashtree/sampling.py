@@ -11,6 +11,8 @@ import torch
 
 from flashtree.transfer import to_device
 
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+
 
 @dataclass
 class SamplingParams:
@@ -28,6 +30,10 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1  # choices per prompt, each sampled on its own (`choice`)
+    # Log-probabilities of each output token and of this many most likely alternatives
+    # (`flashtree.logprobs`); of each prompt token after the first.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,6 +50,11 @@ class SamplingParams:
             _check(self.max_tokens, "max_tokens", self.max_tokens >= 1, ">= 1 (or None)",
                    integer=True)
         _check(self.n, "n", isinstance(self.n, int) and self.n >= 1, ">= 1", integer=True)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(value, name, 0 <= value <= MAX_LOGPROBS,
+                       f"an integer in [0, {MAX_LOGPROBS}] or None", integer=True)
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -77,8 +88,9 @@ class SamplingParams:
 
     @property
     def argmax_only(self) -> bool:
-        """Greedy without penalties: the token is the argmax of the raw logits."""
-        return self.greedy and not self.has_penalties
+        """Greedy without penalties, and nothing else read from the logits (no log-probs):
+        the token is the argmax of the raw logits, which TP ranks reduce without gathering."""
+        return self.greedy and not self.has_penalties and self.logprobs is None
 
 
 def _check(value, name: str, ok: bool, allowed: str, integer: bool = False) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashtree.logprobs import TokenLogprobs
 from flashtree.sampling import SamplingParams
 
 
@@ -33,6 +34,16 @@ class Sequence:
     error: str | None = None  # why the request failed (finish_reason "error")
     text: str = ""  # detokenized output, cut at a stop string when one matched
     spec_accept_lengths: list[int] = field(default_factory=list)
+    # One entry per output token / prompt token (None for the first) when the params ask.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens still need their log-probs (a forward over every row of
+        the prompt, not the prefix cache)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_ids))
 
     @property
     def num_tokens(self) -> int:

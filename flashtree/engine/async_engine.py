@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from flashtree.distributed.tp import TPGroupStopped
 from flashtree.engine.llm_engine import LLMEngine
+from flashtree.logprobs import TokenLogprobs
 from flashtree.sampling import SamplingParams
 from flashtree.sequence import Sequence
 
@@ -29,6 +30,8 @@ class Delta:
     cached_tokens: int = 0  # prompt tokens the prefix cache held when the request started
     # Once finished: the tokens each decode step committed (1 for a plain step).
     accept_lengths: tuple[int, ...] = ()
+    logprobs: list[TokenLogprobs] | None = None  # of token_ids, when the request asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first delta, if asked
 
 
 @dataclass
@@ -138,17 +141,22 @@ class AsyncEngine:
     def _emit(self, req: _Request, now: float) -> None:
         seq = req.seq
         assert seq is not None
-        if req.first_token is None:
+        first = req.first_token is None
+        if first:
             req.first_token = now
         text, delta_text = self.engine.stream_text(seq), ""
         if text.startswith(req.sent_text):  # text already sent never changes
             delta_text, req.sent_text = text[len(req.sent_text):], text
         tokens = seq.output_ids[req.sent_tokens:]
+        logprobs = (None if seq.params.logprobs is None
+                    else seq.logprobs[req.sent_tokens:len(seq.output_ids)])
         req.sent_tokens = len(seq.output_ids)
         self._push(req, Delta(delta_text, tokens, seq.is_finished, seq.finish_reason,
                               error=seq.error, cached_tokens=seq.num_cached_tokens,
                               accept_lengths=tuple(seq.spec_accept_lengths)
-                              if seq.is_finished else ()))
+                              if seq.is_finished else (), logprobs=logprobs,
+                              prompt_logprobs=seq.prompt_logprobs
+                              if first and seq.params.prompt_logprobs is not None else None))
         if seq.is_finished:
             del self._active[seq.seq_id]
             if self.on_finish is not None:

@@ -16,6 +16,7 @@ from flashtree.engine.scheduler import ScheduledChunk, Scheduler, step_kind
 from flashtree.graphs.runner import batch_buckets
 from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache, PageTables
+from flashtree.logprobs import output_logprobs, prompt_logprobs
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
 from flashtree.runner.forward_batch import BatchItem, Mode
@@ -26,6 +27,7 @@ from flashtree.speculative.decoder import SpeculativeDecoder
 from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy, SpecPolicy, StepResult
 from flashtree.speculative.proposer import ContextRows, DFlashProposer
 from flashtree.tokenizer import Tokenizer
+from flashtree.transfer import to_device
 
 # Largest captured forward in token rows (beyond max_num_seqs decode rows): bigger verify
 # batches run eagerly, where launch overhead is small next to the work.
@@ -219,15 +221,21 @@ class LLMEngine:
         does a plain step the policy chose (a decode or prompt graph writes them itself, and
         returns none)."""
         mode = Mode.DECODE if step_kind(chunks) == "decode" else Mode.PREFILL
+        # Chunks of prompts whose log-probs are asked score every row, the others their last
+        # row where they sample.
+        scores_prompt = [not c.decode and c.seq.wants_prompt_logprobs for c in chunks]
         items = [
             BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
-                      wants_logits=c.samples)
-            for c in chunks
+                      all_logits=every, wants_logits=c.samples or every)
+            for c, every in zip(chunks, scores_prompt)
         ]
         sampling = [c for c in chunks if c.samples]
         # All-greedy batches take the argmax over TP vocab slices without gathering logits.
-        all_greedy = all(c.seq.params.argmax_only for c in sampling)
+        all_greedy = (all(c.seq.params.argmax_only for c in sampling)
+                      and not any(scores_prompt))
         logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
+        if any(scores_prompt):
+            logits = self._record_prompt_logprobs(chunks, scores_prompt, logits)
         for c in chunks:
             c.seq.num_computed = c.start + c.count
             self.pages.set_length(c.seq.seq_id, c.seq.num_computed)
@@ -246,11 +254,33 @@ class LLMEngine:
             tokens = vocab_argmax(logits, self.runner.model.lm_head.vocab_start).tolist()
         else:
             tokens = self._sample(logits, sampling)
-        for c, token in zip(sampling, tokens):
+        for i, (c, token) in enumerate(zip(sampling, tokens)):
             if token is not None:
                 with self._isolated(c.seq):
-                    self._append(c.seq, [token], record=c.decode)
+                    self._append(c.seq, [token], record=c.decode, logits=logits[i : i + 1])
         return [c.seq for c in sampling]
+
+    def _record_prompt_logprobs(self, chunks: list[ScheduledChunk], scores_prompt: list[bool],
+                                logits: torch.Tensor) -> torch.Tensor:
+        """Append the prompt log-probs that chunks scoring every row computed; return the
+        sampling chunks' rows (each chunk's last row, where it samples)."""
+        sample_rows, row = [], 0
+        for c, every in zip(chunks, scores_prompt):
+            rows = c.count if every else int(c.samples)
+            if every:
+                seq, first = c.seq, c.start + 1  # row j scores the token at c.start + j + 1
+                have = len(seq.prompt_logprobs)
+                end = min(c.start + c.count + 1, len(seq.prompt_ids))
+                assert have >= first, f"request {seq.seq_id}: prompt log-probs skip {have}.."
+                if end > have:
+                    with self._isolated(seq):
+                        seq.prompt_logprobs += prompt_logprobs(
+                            logits[row + have - first : row + end - first],
+                            seq.prompt_ids[have:end], seq.params.prompt_logprobs)
+            if c.samples:
+                sample_rows.append(row + rows - 1)
+            row += rows
+        return logits[to_device(sample_rows, logits.device)]
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int | None]:
         """One token per chunk (logits [len(chunks), vocab]), drawn for the whole batch at once;
@@ -282,17 +312,19 @@ class LLMEngine:
         seqs = [c.seq for c in chunks]
         for seq, verified in zip(seqs, self.speculative.step(seqs)):
             with self._isolated(seq):
-                self._append(seq, verified.tokens, record=True)
+                self._append(seq, verified.tokens, record=True, logits=verified.logits)
                 # Counted after stop conditions, so the counters match the returned tokens.
                 committed = seq.spec_accept_lengths[-1]
                 self.speculative.stats.record(verified.num_candidates, committed - 1)
         return seqs
 
     # ------------------------------------------------------------------ finishing
-    def _append(self, seq: Sequence, tokens: list[int], record: bool) -> None:
+    def _append(self, seq: Sequence, tokens: list[int], record: bool,
+                logits: torch.Tensor | None) -> None:
         """Append tokens one by one, stopping at the first that finishes the request.
-        `record`: count them as one target forward's commit in spec_accept_lengths."""
-        produced = 0
+        `record`: count them as one target forward's commit in spec_accept_lengths.
+        `logits`: the rows that decided the tokens [len(tokens), vocab], for log-probs."""
+        before, produced = len(seq.output_ids), 0
         for token in tokens:
             seq.output_ids.append(token)
             produced += 1
@@ -300,6 +332,10 @@ class LLMEngine:
                 break
         if record:
             seq.spec_accept_lengths.append(produced)
+        if seq.params.logprobs is not None:
+            assert logits is not None, f"request {seq.seq_id} asked for log-probs: no logits"
+            seq.logprobs += output_logprobs(logits[:produced], seq.params, seq.prompt_ids,
+                                            seq.output_ids[:before], tokens[:produced])
 
     def _check_finished(self, seq: Sequence) -> bool:
         params, token = seq.params, seq.output_ids[-1]

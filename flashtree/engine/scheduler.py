@@ -79,8 +79,10 @@ class Scheduler:
                 break
             # (a readmitted sequence recomputes its outputs too; a new one is its prompt)
             tokens = seq.token_slice(0, seq.num_tokens) if seq.output_ids else seq.prompt_ids
-            prefix = self.pages.cached_prefix(tokens)
-            if self._prefix_in_flight(tokens, len(prefix)):
+            # Prompt log-probs need every prompt row's logits: no cached prefix for them.
+            shares = not seq.wants_prompt_logprobs
+            prefix = self.pages.cached_prefix(tokens) if shares else []
+            if shares and self._prefix_in_flight(tokens, len(prefix)):
                 continue  # admitted once those pages are computed, to share them
             # Admit only when the whole remaining prompt fits in free pages, so that admitted
             # sequences rarely need to preempt each other.

@@ -82,6 +82,8 @@ class ModelRunner:
         by the next replay), or None when no graph holds it. Graphs gather the whole vocab."""
         if self.graphs is None:
             return None
+        if batch.mode == Mode.PREFILL and batch.logit_rows.shape[0] > batch.attn.num_seqs:
+            return None  # prompt graphs score one row per request (prompt log-probs: every row)
         mode = graph_mode(batch)
         key = self.graphs.bucket(mode, batch.attn.num_seqs, batch.attn.max_query_len)
         if key is None:

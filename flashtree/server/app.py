@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashtree.engine.async_engine import AsyncEngine
 from flashtree.server import responses
+from flashtree.server.logprob_format import LogprobFormat
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -148,6 +149,8 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
         if body.max_tokens is not None and body.max_tokens > cfg.max_tokens_limit:
             raise ApiError(400, f"max_tokens={body.max_tokens} exceeds this server's limit "
                                 f"{cfg.max_tokens_limit}", "max_tokens")
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
     def params_of(body, default_max_tokens):
         try:
@@ -162,7 +165,9 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
         tok = state.llm.tokenizer  # type: ignore[union-attr]
         ids = tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         params = params_of(body, 16)
-        prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+        prefix = ""
+        if body.echo:
+            prefix = body.prompt if isinstance(body.prompt, str) else tok.decode(ids, False)
         return await _respond(engine, ids, params, body, "text_completion", prefix)
 
     @app.post("/v1/chat/completions")
@@ -182,9 +187,13 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
             streams, firsts = await responses.start(engine, ids, params)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        fmt = None
+        if params.logprobs is not None:
+            fmt = LogprobFormat(state.llm.tokenizer, params.logprobs)  # type: ignore[union-attr]
         reply = responses.Reply(
             f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
-            int(time.time()), kind, cfg.model_name, len(ids), prefix, body.spec_stats)
+            int(time.time()), kind, cfg.model_name, len(ids), prefix, body.spec_stats, fmt,
+            list(ids) if params.prompt_logprobs is not None else None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(responses.events(reply, streams, firsts, include_usage),

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flashtree.sampling import SamplingParams
+from flashtree.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class _Strict(BaseModel):
@@ -54,19 +54,39 @@ class _SamplingFields(_Strict):
         self.max_tokens = self.max_tokens or self.max_completion_tokens
         return self
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             max_tokens=self.max_tokens or default_max_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, n=self.n,
+            logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
         )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per output token when log-probs are asked for, else None."""
+        return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(min_length=1)
     echo: bool = False
+    # The legacy API's count of alternatives per token (its limit is 5; vLLM's is larger).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(_Strict):
@@ -90,3 +110,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from flashtree.engine.async_engine import AsyncEngine, Delta
 from flashtree.sampling import SamplingParams
+from flashtree.server.logprob_format import LogprobFormat
 
 
 class ChoiceFailed(RuntimeError):
@@ -29,6 +30,22 @@ class Reply:
     prompt_tokens: int
     prefix: str  # text each choice starts with (completions' echo)
     spec_stats: bool = False  # add each choice's speculation numbers (`spec_decode`)
+    logprobs: LogprobFormat | None = None  # when the request asked for log-probs
+    echo_ids: list[int] | None = None  # the prompt, when echoed with its log-probs
+
+    def choice_logprobs(self, ids: list[int], entries: list | None,
+                        prompt_entries: list | None = None, offset: int = 0
+                        ) -> tuple[dict | None, int]:
+        """A choice's (or a chunk's) `logprobs` object, and the text offset after it
+        (completions' echo: the prompt's tokens first)."""
+        if self.logprobs is None:
+            return None, offset
+        assert entries is not None, "a request that asked for log-probs got none"
+        if self.kind == "chat.completion":
+            return self.logprobs.chat(ids, entries), offset
+        if self.echo_ids is not None and prompt_entries is not None:
+            ids, entries = self.echo_ids + ids, prompt_entries + entries
+        return self.logprobs.completion(ids, entries, offset)
 
 
 async def start(engine: AsyncEngine, ids: list[int], params: SamplingParams
@@ -51,20 +68,21 @@ async def body(reply: Reply, streams: list[AsyncIterator[Delta]], firsts: list[D
     finally:
         await _close(streams)
     choices = []
-    for i, (text, _, last) in enumerate(done):
+    for i, (c, first) in enumerate(zip(done, firsts)):
+        logprobs, _ = reply.choice_logprobs(c.token_ids, c.logprobs, first.prompt_logprobs)
         if reply.kind == "chat.completion":
             choices.append({"index": i, "message": {"role": "assistant",
-                                                    "content": reply.prefix + text},
-                            "finish_reason": last.finish_reason})
+                                                    "content": reply.prefix + c.text},
+                            "logprobs": logprobs, "finish_reason": c.last.finish_reason})
         else:
-            choices.append({"index": i, "text": reply.prefix + text,
-                            "finish_reason": last.finish_reason, "logprobs": None})
-    completion = sum(tokens for _, tokens, _ in done)
+            choices.append({"index": i, "text": reply.prefix + c.text,
+                            "finish_reason": c.last.finish_reason, "logprobs": logprobs})
+    completion = sum(len(c.token_ids) for c in done)
     out = {"id": reply.rid, "object": reply.kind, "created": reply.created,
            "model": reply.model, "choices": choices,
-           "usage": usage(reply.prompt_tokens, completion, done[0][2].cached_tokens)}
+           "usage": usage(reply.prompt_tokens, completion, done[0].last.cached_tokens)}
     if reply.spec_stats:
-        out["spec_decode"] = [spec_decode(i, last) for i, (_, _, last) in enumerate(done)]
+        out["spec_decode"] = [spec_decode(i, c.last) for i, c in enumerate(done)]
     return out
 
 
@@ -75,16 +93,28 @@ def spec_decode(index: int, last: Delta) -> dict:
             "tokens_per_step": tokens / steps if steps else 0.0}
 
 
-async def _collect(stream: AsyncIterator[Delta], delta: Delta) -> tuple[str, int, Delta]:
-    """(text, tokens, the last delta) of one choice."""
-    text, tokens = "", 0
+@dataclass
+class _Choice:
+    """One choice's whole output."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    last: Delta
+
+
+async def _collect(stream: AsyncIterator[Delta], delta: Delta) -> _Choice:
+    out = _Choice("", [], None if delta.logprobs is None else [], delta)
     while True:
         if delta.error:
             raise ChoiceFailed(f"request failed: {delta.error}")
-        text += delta.text
-        tokens += len(delta.token_ids)
+        out.text += delta.text
+        out.token_ids += delta.token_ids
+        if out.logprobs is not None:
+            out.logprobs += delta.logprobs or []
         if delta.finished:
-            return text, tokens, delta
+            out.last = delta
+            return out
         delta = await anext(stream)
 
 
@@ -100,17 +130,21 @@ async def events(reply: Reply, streams: list[AsyncIterator[Delta]], firsts: list
                "model": reply.model, "choices": choices, **extra}
         return f"data: {json.dumps(out)}\n\n"
 
+    offsets = [0] * len(streams)  # completions' text offset of each choice's next token
     for i in range(len(streams)):
         if reply.kind == "chat.completion":
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "finish_reason": None}])
+                          "logprobs": None, "finish_reason": None}])
         elif reply.prefix:
-            yield event([{"index": i, "text": reply.prefix, "finish_reason": None}])
+            logprobs, offsets[i] = reply.choice_logprobs([], [], firsts[i].prompt_logprobs)
+            yield event([{"index": i, "text": reply.prefix, "logprobs": logprobs,
+                          "finish_reason": None}])
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for item in _choice_events(streams[i], firsts[i], i, reply.kind, event):
+            async for item in _choice_events(streams[i], firsts[i], i, reply, offsets[i],
+                                             event):
                 await queue.put((i, *item))
         finally:
             await queue.put(None)
@@ -141,21 +175,25 @@ async def events(reply: Reply, streams: list[AsyncIterator[Delta]], firsts: list
     yield "data: [DONE]\n\n"
 
 
-async def _choice_events(stream: AsyncIterator[Delta], delta: Delta, index: int, kind: str,
-                         event):
-    """(event text, the delta) for each delta of one choice until it finishes."""
+async def _choice_events(stream: AsyncIterator[Delta], delta: Delta, index: int, reply: Reply,
+                         offset: int, event):
+    """(event text, the delta) for each delta of one choice until it finishes; `offset`:
+    the text offset of its first token (completions' log-probs)."""
     while True:
         if delta.error:
             err = {"error": {"message": f"request failed: {delta.error}", "type": "server_error"}}
             yield f"data: {json.dumps(err)}\n\n", delta
             return
         reason = delta.finish_reason if delta.finished else None
-        if kind == "chat.completion":
+        logprobs, offset = reply.choice_logprobs(delta.token_ids, delta.logprobs, None, offset)
+        if reply.kind == "chat.completion":
             content = {"content": delta.text} if delta.text else {}
             choice = {"index": index, "delta": content, "finish_reason": reason}
         else:
             choice = {"index": index, "text": delta.text, "finish_reason": reason}
-        yield (event([choice]) if delta.text or reason else ""), delta
+        choice["logprobs"] = logprobs
+        news = delta.text or reason or (logprobs is not None and delta.token_ids)
+        yield (event([choice]) if news else ""), delta
         if delta.finished:
             return
         delta = await anext(stream)

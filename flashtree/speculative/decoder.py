@@ -25,6 +25,9 @@ from flashtree.transfer import to_device
 class Verified(NamedTuple):
     tokens: list[int]  # accepted drafts + the target's next token
     num_candidates: int  # draft nodes verified (tree nodes or chain drafts)
+    # The target's logits that decided each token [len(tokens), vocab], for a request that
+    # asked for log-probs (else None).
+    logits: torch.Tensor | None = None
 
 
 class SpeculativeDecoder:
@@ -42,25 +45,27 @@ class SpeculativeDecoder:
         but the last. The caller records the stats once stop conditions have cut the tokens."""
         self.proposer.flush()
         plans = self.planner.plan(seqs)
-        if isinstance(plans, TreeBatch):
+        if isinstance(plans, TreeBatch):  # argmax-only requests: no log-probs asked
             walks = self.tree_verifier.verify(seqs, plans)
             sizes = [plans.tokens.shape[1]] * len(seqs)
+            path_logits: list[torch.Tensor | None] = [None] * len(seqs)
         else:
-            walks, features = self._verify(seqs, plans)
+            walks, features, logits = self._verify(seqs, plans)
             sizes = [len(p.cand.tokens) for p in plans]
             self._keep(seqs, walks, sizes, features)
+            path_logits = _path_logits(seqs, walks, sizes, logits)
         committed = []
-        for seq, (path, new), n in zip(seqs, walks, sizes):
+        for seq, (path, new), n, rows in zip(seqs, walks, sizes, path_logits):
             seq.num_computed += len(path)
             self.pages.set_length(seq.seq_id, seq.num_computed)
-            committed.append(Verified(new, n - 1))
+            committed.append(Verified(new, n - 1, rows))
             self.stats.record_budget(n - 1)
         return committed
 
     def _verify(self, seqs: list[Sequence], plans: list[Planned]
-                ) -> tuple[list[Walk], torch.Tensor]:
+                ) -> tuple[list[Walk], torch.Tensor, torch.Tensor]:
         """One target forward over every request's candidates, and the walks; also the
-        forward's features."""
+        forward's features and logits."""
         items = [
             BatchItem(s.seq_id, s.num_computed, p.cand.tokens, all_logits=True,
                       positions=p.cand.positions, visible=p.cand.visible)
@@ -69,7 +74,7 @@ class SpeculativeDecoder:
         all_greedy = all(s.params.argmax_only for s in seqs)
         logits, features = self.runner.forward(Mode.VERIFY, items, gather_logits=not all_greedy)
         assert features is not None, "verify must capture the drafter's target layers"
-        return accept(seqs, plans, logits, self.runner.model.lm_head.vocab_start), features
+        return accept(seqs, plans, logits, self.runner.model.lm_head.vocab_start), features, logits
 
     def _keep(self, seqs: list[Sequence], walks: list[Walk], sizes: list[int],
               features: torch.Tensor) -> None:
@@ -86,3 +91,16 @@ class SpeculativeDecoder:
         kept_features = features[to_device(kept_rows, features.device)]
         self.proposer.inject([ContextRows(kept_features, tuple(
             (seq_id, start, len(path)) for seq_id, start, path in kept))])
+
+
+def _path_logits(seqs: list[Sequence], walks: list[Walk], sizes: list[int], logits: torch.Tensor
+                 ) -> list[torch.Tensor | None]:
+    """Per request that asked for log-probs, the verify rows of its accepted path (node j
+    decided committed token j); `sizes`: each request's verified nodes, in row order."""
+    out: list[torch.Tensor | None] = []
+    base = 0
+    for seq, (path, _), n in zip(seqs, walks, sizes):
+        wanted = seq.params.logprobs is not None
+        out.append(logits[to_device([base + v for v in path], logits.device)] if wanted else None)
+        base += n
+    return out

@@ -77,3 +77,28 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def spec_clients(tiny_chat_model):
+    """An `openai` client per spec mode ("none", "dflash", "ddtree"), each on a server of its
+    own with the fixed policy (speculation on at every step), for features that must give
+    plain decoding's answers in every mode."""
+    from openai import OpenAI
+
+    procs, clients = [], {}
+    try:
+        for spec in ("none", "dflash", "ddtree"):
+            base, proc = start_server(*tiny_chat_model,
+                                      extra=("--spec", spec, "--spec-policy", "fixed"))
+            procs.append(proc)
+            clients[spec] = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+        yield clients
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()

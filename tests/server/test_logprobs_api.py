@@ -1,0 +1,108 @@
+"""Log-probabilities through the `openai` client in every spec mode: chat's `logprobs.content`
+and completions' lists (with the echoed prompt) equal plain decoding's, greedy and seeded,
+streamed as whole, and out-of-range requests are refused naming the field."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.server.conftest import MODEL
+
+CHAT = [{"role": "user", "content": "Name three colours of the sea."}]
+SPECS = ("dflash", "ddtree")
+
+
+def _chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20,
+                                          logprobs=True, top_logprobs=3,
+                                          extra_body={"ignore_eos": True}, **kw)
+
+
+def _assert_close(got: list[dict], want: list[dict]) -> None:
+    """Chat log-prob entries: same tokens and alternatives, values within float tolerance."""
+    assert [e["token"] for e in got] == [e["token"] for e in want]
+    for g, w in zip(got, want):
+        assert g["logprob"] == pytest.approx(w["logprob"], abs=1e-4)
+        assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
+        for gt, wt in zip(g["top_logprobs"], w["top_logprobs"]):
+            assert gt["logprob"] == pytest.approx(wt["logprob"], abs=1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0), dict(temperature=0.9, seed=5)],
+                         ids=["greedy", "seeded"])
+def test_chat_logprobs_equal_plain_in_every_mode(spec_clients, kw):
+    plain = _chat(spec_clients["none"], **kw).choices[0]
+    entries = plain.model_dump()["logprobs"]["content"]
+    assert len(entries) == 20
+    for e in entries:
+        assert len(e["top_logprobs"]) == 3 and e["logprob"] <= 0
+        assert e["bytes"] == list(e["token"].encode())
+        ranked = [t["logprob"] for t in e["top_logprobs"]]
+        assert ranked == sorted(ranked, reverse=True) and e["logprob"] <= ranked[0] + 1e-6
+        if kw["temperature"] == 0:  # the greedy token is the most likely one
+            assert e["token"] == e["top_logprobs"][0]["token"]
+    if "\ufffd" not in plain.message.content:
+        assert "".join(e["token"] for e in entries) == plain.message.content
+    for spec in SPECS:
+        got = _chat(spec_clients[spec], **kw).choices[0]
+        assert got.message.content == plain.message.content
+        _assert_close(got.model_dump()["logprobs"]["content"], entries)
+
+
+def test_streamed_chat_logprobs_equal_the_whole(spec_clients):
+    for spec in ("none", "ddtree"):
+        whole = _chat(spec_clients[spec], temperature=0).model_dump()
+        streamed = []
+        for chunk in _chat(spec_clients[spec], temperature=0, stream=True):
+            for choice in chunk.choices:
+                if choice.logprobs is not None:
+                    streamed += choice.model_dump()["logprobs"]["content"]
+        _assert_close(streamed, whole["choices"][0]["logprobs"]["content"])
+
+
+def test_completion_logprobs_with_echo(spec_clients):
+    prompt = "The sea is"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2,
+              echo=True, extra_body={"ignore_eos": True})
+    plain = spec_clients["none"].completions.create(**kw).choices[0]
+    lp = plain.logprobs
+    n = len(lp.tokens)
+    assert n > 8 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert plain.text.startswith(prompt) and "".join(lp.tokens[: n - 8]) == prompt
+    assert lp.text_offset[n - 8] == len(prompt)
+    for spec in SPECS:
+        got = spec_clients[spec].completions.create(**kw).choices[0]
+        assert got.text == plain.text and got.logprobs.tokens == lp.tokens
+        assert got.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:],
+                                                                abs=1e-4)
+    streamed = spec_clients["ddtree"].completions.create(stream=True, **kw)
+    tokens, values = [], []
+    for chunk in streamed:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                values += choice.logprobs.token_logprobs
+    assert tokens == lp.tokens and values[0] is None
+    assert values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(top_logprobs=2), "top_logprobs"),
+], ids=["top-out-of-range", "top-without-logprobs"])
+def test_bad_logprob_requests_name_the_field(spec_clients, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        spec_clients["ddtree"].chat.completions.create(model=MODEL, messages=CHAT,
+                                                        max_tokens=2, **kw)
+    assert e.value.body["param"] == param and "top_logprobs" in e.value.body["message"]
+
+
+def test_completion_logprobs_out_of_range(spec_clients):
+    with pytest.raises(openai.BadRequestError) as e:
+        spec_clients["none"].completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                                logprobs=21)
+    assert e.value.body["param"] == "logprobs" and "20" in e.value.body["message"]
