@@ -11,6 +11,8 @@ import torch
 
 from flashtree.transfer import to_device
 
+_GUIDED_FIELDS = ("guided_json", "guided_json_object", "guided_regex", "guided_grammar",
+                  "guided_choice")
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 
 
@@ -34,6 +36,13 @@ class SamplingParams:
     # (`flashtree.logprobs`); of each prompt token after the first.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output (`flashtree.structured_output`), at most one of: a JSON schema (dict
+    # or its text), any JSON object, a regex, a Lark (or GBNF) grammar, one of given strings.
+    guided_json: dict | str | None = None
+    guided_json_object: bool = False
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +64,13 @@ class SamplingParams:
             if value is not None:
                 _check(value, name, 0 <= value <= MAX_LOGPROBS,
                        f"an integer in [0, {MAX_LOGPROBS}] or None", integer=True)
+        guided = [f for f in _GUIDED_FIELDS if getattr(self, f) not in (None, False)]
+        if len(guided) > 1:
+            raise ValueError(f"give at most one structured-output field, got {guided}")
+        if self.guided_choice is not None and not (
+                self.guided_choice and all(isinstance(c, str) and c for c in self.guided_choice)):
+            raise ValueError(f"guided_choice must be a non-empty list of non-empty strings, got "
+                             f"{self.guided_choice!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -87,10 +103,17 @@ class SamplingParams:
         )
 
     @property
+    def guided_field(self) -> str | None:
+        """The structured-output field this request sets, if any."""
+        return next((f for f in _GUIDED_FIELDS if getattr(self, f) not in (None, False)), None)
+
+    @property
     def argmax_only(self) -> bool:
-        """Greedy without penalties, and nothing else read from the logits (no log-probs):
-        the token is the argmax of the raw logits, which TP ranks reduce without gathering."""
-        return self.greedy and not self.has_penalties and self.logprobs is None
+        """Greedy without penalties, and nothing else read from or applied to the logits (no
+        log-probs, no grammar mask): the token is the argmax of the raw logits, which TP ranks
+        reduce without gathering."""
+        return (self.greedy and not self.has_penalties and self.logprobs is None
+                and self.guided_field is None)
 
 
 def _check(value, name: str, ok: bool, allowed: str, integer: bool = False) -> None:

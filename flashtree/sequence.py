@@ -9,6 +9,7 @@ import torch
 
 from flashtree.logprobs import TokenLogprobs
 from flashtree.sampling import SamplingParams
+from flashtree.structured_output import TokenMatcher
 
 
 class SeqStatus(enum.Enum):
@@ -34,6 +35,7 @@ class Sequence:
     error: str | None = None  # why the request failed (finish_reason "error")
     text: str = ""  # detokenized output, cut at a stop string when one matched
     spec_accept_lengths: list[int] = field(default_factory=list)
+    matcher: TokenMatcher | None = None  # the grammar of a structured-output request
     # One entry per output token / prompt token (None for the first) when the params ask.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])

@@ -26,6 +26,7 @@ from flashtree.sequence import Sequence
 from flashtree.speculative.decoder import SpeculativeDecoder
 from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy, SpecPolicy, StepResult
 from flashtree.speculative.proposer import ContextRows, DFlashProposer
+from flashtree.structured_output import GrammarCompiler, mask_logits
 from flashtree.tokenizer import Tokenizer
 from flashtree.transfer import to_device
 
@@ -95,6 +96,7 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self._grammars: GrammarCompiler | None = None  # built for the first guided request
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -161,13 +163,24 @@ class LLMEngine:
                 f"and {self.lookahead} speculative) but the pool holds only "
                 f"{self.pages.num_pages * self.args.cache.page_size}; lower max_tokens"
             )
+        matcher = self._grammar_compiler().matcher(params) if params.guided_field else None
         seq_id = next(self._ids)  # only accepted requests take an id (TP ranks replay adds)
         seed = (params.seed if params.seed is not None
                 else hash((self.args.seed, seq_id))) % (1 << 63)
         generator = torch.Generator(self.args.device).manual_seed(seed)
-        seq = Sequence(seq_id, list(prompt_ids), params, seed, generator, total)
+        seq = Sequence(seq_id, list(prompt_ids), params, seed, generator, total,
+                       matcher=matcher)
         self.scheduler.add(seq)
         return seq
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer; this engine was "
+                             "built without one (skip_tokenizer_init)")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_cfg.vocab_size,
+                                             self.eos_token_ids)
+        return self._grammars
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -248,6 +261,8 @@ class LLMEngine:
                 features, positions=batch.positions, slots=batch.attn.slot_mapping,
                 leases=leases, counts=None if mode == Mode.DECODE else tuple(
                     c.count for c in chunks)))
+        if any(c.seq.matcher is not None for c in sampling):
+            logits = _mask_by_grammar([c.seq for c in sampling], logits)
         if not sampling:
             tokens = []
         elif all_greedy:  # one device sync for the batch
@@ -328,6 +343,8 @@ class LLMEngine:
         for token in tokens:
             seq.output_ids.append(token)
             produced += 1
+            if seq.matcher is not None:
+                seq.matcher.accept(token)
             if self._check_finished(seq):
                 break
         if record:
@@ -346,9 +363,10 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop")
                 seq.text = text[: min(hits)]
                 return True
+        grammar_ended = seq.matcher is not None and seq.matcher.ended
         if (not params.ignore_eos and token in self.eos_token_ids) or (
             token in params.stop_token_ids
-        ):
+        ) or grammar_ended:
             self.scheduler.finish(seq, "stop")
         elif seq.num_tokens >= seq.max_total_len:
             self.scheduler.finish(seq, "length")
@@ -368,3 +386,15 @@ class LLMEngine:
     def decode(self, seq: Sequence) -> str:
         assert self.tokenizer is not None, "decode needs a tokenizer"
         return self.tokenizer.decode(seq.output_ids, seq.params.skip_special_tokens)
+
+
+def _mask_by_grammar(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """Each guided request's row (logits [len(seqs), vocab]) limited to what its grammar
+    allows next."""
+    rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    allowed = torch.ones(len(seqs), logits.shape[-1], dtype=torch.bool)
+    for i in rows:
+        matcher = seqs[i].matcher
+        assert matcher is not None
+        allowed[i] = matcher.masks([seqs[i].last_token], [0])[0]
+    return mask_logits(logits, allowed)
