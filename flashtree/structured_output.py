@@ -21,6 +21,12 @@ import torch
 from flashtree.sampling import SamplingParams
 
 
+# Between JSON tokens: at most one line break and an indentation, the whitespace a pretty-printer
+# writes. Unbounded whitespace lets a model loop in it until max_tokens (a known failure of
+# constrained decoding) and leaves a valid-looking prefix that never closes.
+_JSON_OPTIONS = {"whitespace_pattern": r"(\r?\n)?[\x20\x09]{0,48}"}
+
+
 def grammar_of(params: SamplingParams) -> str | None:
     """The llguidance grammar of a request's guided-decoding field, or None."""
     from llguidance import LLMatcher
@@ -29,9 +35,9 @@ def grammar_of(params: SamplingParams) -> str | None:
     if params.guided_json is not None:
         schema = params.guided_json
         return LLMatcher.grammar_from_json_schema(
-            schema if isinstance(schema, str) else json.dumps(schema))
+            schema if isinstance(schema, str) else json.dumps(schema), _JSON_OPTIONS)
     if params.guided_json_object:
-        return LLMatcher.grammar_from_json_schema('{"type": "object"}')
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', _JSON_OPTIONS)
     if params.guided_regex is not None:
         return LLMatcher.grammar_from_regex(params.guided_regex)
     if params.guided_choice is not None:
@@ -39,6 +45,14 @@ def grammar_of(params: SamplingParams) -> str | None:
     if params.guided_grammar is not None:  # Lark, or GBNF (llama.cpp's) converted to it
         return LLMatcher.grammar_from_lark(any_to_lark(params.guided_grammar))
     return None
+
+
+class GrammarError(ValueError):
+    """A request's grammar the library refused; `field` is the request field that gave it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}")
+        self.field = field
 
 
 class GrammarCompiler:
@@ -53,7 +67,7 @@ class GrammarCompiler:
                                                       eos_token=sorted(eos_token_ids))
 
     def matcher(self, params: SamplingParams) -> TokenMatcher:
-        """A fresh matcher for a guided request. Raises ValueError naming the field and what
+        """A fresh matcher for a guided request. Raises GrammarError naming the field and what
         the grammar library found wrong (unsupported schema keywords, a bad regex, ...)."""
         from llguidance import LLMatcher
 
@@ -62,11 +76,11 @@ class GrammarCompiler:
         try:
             grammar = grammar_of(params)
         except Exception as e:  # noqa: BLE001 - gbnf_to_lark reports a bad grammar this way
-            raise ValueError(f"{field} is not a valid grammar: {e}") from None
+            raise GrammarError(field, f"is not a valid grammar: {e}") from None
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
-            raise ValueError(f"{field} is invalid or uses what is not supported: "
-                             f"{messages[0].strip()}")
+            raise GrammarError(field, "is invalid or uses what is not supported: "
+                                      f"{messages[0].strip()}")
         return TokenMatcher(LLMatcher(self.tokenizer, grammar, log_level=0), self)
 
 

@@ -23,6 +23,7 @@ from flashtree.server import responses
 from flashtree.server.logprob_format import LogprobFormat
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest
+from flashtree.structured_output import GrammarError
 
 
 @dataclass
@@ -185,6 +186,11 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
     async def _respond(engine: AsyncEngine, ids, params, body, kind: str, prefix: str):
         try:
             streams, firsts = await responses.start(engine, ids, params)
+        except GrammarError as e:
+            if e.field.startswith("guided_json") and body.response_format is not None:
+                raise ApiError(400, str(e).replace(e.field, "response_format", 1),
+                               "response_format") from None
+            raise ApiError(400, str(e), e.field) from None
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         fmt = None

@@ -21,6 +21,24 @@ class StreamOptions(_Strict):
 MAX_N = 16  # choices one request may ask for
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema' and only then")
+        return self
+
+
 class _SamplingFields(_Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -44,6 +62,12 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None  # accepted and not used, as OpenAI stores it
+    # Structured output: OpenAI's response_format, or vLLM's guided_* fields (one of them).
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     @model_validator(mode="after")
     def _one_token_limit(self):
@@ -62,7 +86,20 @@ class _SamplingFields(_Strict):
             max_tokens=self.max_tokens or default_max_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, n=self.n,
             logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
+            guided_regex=self.guided_regex, guided_grammar=self.guided_grammar,
+            guided_choice=self.guided_choice, **self._json_constraint(),
         )
+
+    def _json_constraint(self) -> dict:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return {"guided_json": self.guided_json}
+        if self.guided_json is not None:
+            raise ValueError("give response_format or guided_json, not both")
+        if fmt.type == "json_object":
+            return {"guided_json_object": True}
+        assert fmt.json_schema is not None
+        return {"guided_json": fmt.json_schema.schema_}
 
     @property
     def num_logprobs(self) -> int | None:
