@@ -20,7 +20,6 @@ import torch
 
 from flashtree.sampling import SamplingParams
 
-
 # Between JSON tokens: at most one line break and an indentation, the whitespace a pretty-printer
 # writes. Unbounded whitespace lets a model loop in it until max_tokens (a known failure of
 # constrained decoding) and leaves a valid-looking prefix that never closes.
@@ -45,6 +44,15 @@ def grammar_of(params: SamplingParams) -> str | None:
     if params.guided_grammar is not None:  # Lark, or GBNF (llama.cpp's) converted to it
         return LLMatcher.grammar_from_lark(any_to_lark(params.guided_grammar))
     return None
+
+
+def schema_error(schema: dict) -> str | None:
+    """What makes `schema` a JSON schema structured output cannot follow, or None."""
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), _JSON_OPTIONS)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0].strip() if is_error else None
 
 
 class GrammarError(ValueError):

@@ -56,9 +56,20 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.hf, "chat_template", None):
+    def special_token_id(self, text: str) -> int | None:
+        """The id of `text` when it is one added (special) token of this tokenizer."""
+        return self.hf.get_added_vocab().get(text)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> list[int]:
+        """The prompt of a conversation (and the tools the template shows the model)."""
+        if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate()")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=True)
         # The template already holds any BOS token it wants.
         return list(self.hf.encode(text, add_special_tokens=False))

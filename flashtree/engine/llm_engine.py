@@ -384,8 +384,14 @@ class LLMEngine:
         return text[: len(text) - hold] if hold else text
 
     def decode(self, seq: Sequence) -> str:
+        """The output text, without the end-of-sequence token that stopped it (which
+        skip_special_tokens=False would spell out)."""
         assert self.tokenizer is not None, "decode needs a tokenizer"
-        return self.tokenizer.decode(seq.output_ids, seq.params.skip_special_tokens)
+        ids = seq.output_ids
+        if seq.finish_reason == "stop" and ids and (
+                ids[-1] in self.eos_token_ids or ids[-1] in seq.params.stop_token_ids):
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, seq.params.skip_special_tokens)
 
 
 def _mask_by_grammar(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:

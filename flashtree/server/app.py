@@ -4,6 +4,7 @@ with a 4xx status that says what was wrong; the engine keeps serving everything 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import threading
 import time
@@ -20,9 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashtree.engine.async_engine import AsyncEngine
 from flashtree.server import responses
+from flashtree.server.errors import ApiError
 from flashtree.server.logprob_format import LogprobFormat
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest
+from flashtree.server.tool_use import ToolUse
 from flashtree.structured_output import GrammarError
 
 
@@ -44,13 +47,6 @@ class ServerState:
     fatal: str | None = None  # the engine stopped for good (a tensor-parallel worker died)
     stop_server: Callable[[], None] | None = None  # asks the HTTP server to shut down
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None):
@@ -169,21 +165,38 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
         prefix = ""
         if body.echo:
             prefix = body.prompt if isinstance(body.prompt, str) else tok.decode(ids, False)
-        return await _respond(engine, ids, params, body, "text_completion", prefix)
+        keep = None
+        if body.best_of is not None:
+            if body.best_of < params.n:
+                raise ApiError(400, f"best_of={body.best_of} must be >= n={params.n}", "best_of")
+            if body.stream and body.best_of > params.n:
+                raise ApiError(400, "best_of > n cannot be streamed", "best_of")
+            # Cumulative log-probabilities rank the candidates.
+            keep = params.n
+            params = dataclasses.replace(params, n=body.best_of, logprobs=params.logprobs or 0)
+        return await _respond(engine, ids, params, body, "text_completion", prefix, keep=keep)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
         engine = ready()
         check(body)
         tok = state.llm.tokenizer  # type: ignore[union-attr]
+        tools = ToolUse.of(body, tok)
         try:
-            ids = tok.apply_chat_template([m.model_dump() for m in body.messages])
+            messages = [m.for_template() for m in body.messages]
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        try:
+            ids = tok.apply_chat_template(messages, tools and tools.tools)
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
             raise ApiError(400, f"chat template failed on these messages: {e}") from None
         params = params_of(body, None)
-        return await _respond(engine, ids, params, body, "chat.completion", "")
+        if tools is not None:
+            params = tools.constrain(params, body.response_format)
+        return await _respond(engine, ids, params, body, "chat.completion", "", tools)
 
-    async def _respond(engine: AsyncEngine, ids, params, body, kind: str, prefix: str):
+    async def _respond(engine: AsyncEngine, ids, params, body, kind: str, prefix: str,
+                       tools: ToolUse | None = None, keep: int | None = None):
         try:
             streams, firsts = await responses.start(engine, ids, params)
         except GrammarError as e:
@@ -194,12 +207,12 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         fmt = None
-        if params.logprobs is not None:
-            fmt = LogprobFormat(state.llm.tokenizer, params.logprobs)  # type: ignore[union-attr]
+        if body.num_logprobs is not None:  # asked for (best_of computes them regardless)
+            fmt = LogprobFormat(state.llm.tokenizer, body.num_logprobs)  # type: ignore[union-attr]
         reply = responses.Reply(
             f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
             int(time.time()), kind, cfg.model_name, len(ids), prefix, body.spec_stats, fmt,
-            list(ids) if params.prompt_logprobs is not None else None)
+            list(ids) if params.prompt_logprobs is not None else None, tools, keep)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(responses.events(reply, streams, firsts, include_usage),

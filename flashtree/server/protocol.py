@@ -3,6 +3,7 @@ a field name is an error, not a silently ignored setting."""
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -116,6 +117,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     # The legacy API's count of alternatives per token (its limit is 5; vLLM's is larger).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Sample this many and return the n with the highest cumulative log-probability.
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -127,14 +130,18 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    # A string, or a list of text parts ({"type": "text", "text": ...}) joined by newlines.
-    content: str | list[dict]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # A string, or a list of text parts ({"type": "text", "text": ...}) joined by newlines;
+    # None only in an assistant message that made tool calls.
+    content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (OpenAI's shape)
+    tool_call_id: str | None = None  # the call a tool message answers
 
     @field_validator("content")
     @classmethod
-    def _text_parts(cls, content: str | list[dict]) -> str:
-        if isinstance(content, str):
+    def _text_parts(cls, content: str | list[dict] | None) -> str | None:
+        if content is None or isinstance(content, str):
             return content
         texts = []
         for part in content:
@@ -145,10 +152,43 @@ class ChatMessage(_Strict):
         return "\n".join(texts)
 
 
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: earlier calls' arguments as objects (the
+        templates serialize them, so a JSON string would be encoded twice)."""
+        out = self.model_dump(exclude_none=True)
+        for call in out.get("tool_calls", []):
+            function = call.get("function", {})
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    raise ValueError(f"tool call arguments are not JSON: "
+                                     f"{function['arguments']!r}") from None
+        return out
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced choice makes one call
 
     @property
     def num_logprobs(self) -> int | None:

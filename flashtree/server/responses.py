@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from flashtree.engine.async_engine import AsyncEngine, Delta
 from flashtree.sampling import SamplingParams
 from flashtree.server.logprob_format import LogprobFormat
+from flashtree.server.tool_use import ToolUse
 
 
 class ChoiceFailed(RuntimeError):
@@ -32,6 +33,8 @@ class Reply:
     spec_stats: bool = False  # add each choice's speculation numbers (`spec_decode`)
     logprobs: LogprobFormat | None = None  # when the request asked for log-probs
     echo_ids: list[int] | None = None  # the prompt, when echoed with its log-probs
+    tools: ToolUse | None = None  # chat: tool calls are parsed out of the text
+    best: int | None = None  # completions' best_of: return this many, most likely first
 
     def choice_logprobs(self, ids: list[int], entries: list | None,
                         prompt_entries: list | None = None, offset: int = 0
@@ -67,17 +70,26 @@ async def body(reply: Reply, streams: list[AsyncIterator[Delta]], firsts: list[D
         done = await asyncio.gather(*(_collect(s, f) for s, f in zip(streams, firsts)))
     finally:
         await _close(streams)
+    completion = sum(len(c.token_ids) for c in done)  # every sampled choice counts
+    if reply.best is not None:
+        order = sorted(range(len(done)), key=lambda i: -_cumulative_logprob(done[i]))
+        done, firsts = [done[i] for i in order[:reply.best]], [firsts[i] for i in order]
     choices = []
     for i, (c, first) in enumerate(zip(done, firsts)):
         logprobs, _ = reply.choice_logprobs(c.token_ids, c.logprobs, first.prompt_logprobs)
         if reply.kind == "chat.completion":
-            choices.append({"index": i, "message": {"role": "assistant",
-                                                    "content": reply.prefix + c.text},
-                            "logprobs": logprobs, "finish_reason": c.last.finish_reason})
+            message: dict = {"role": "assistant", "content": c.text}
+            reason = c.last.finish_reason
+            if reply.tools is not None:
+                message["content"], calls = reply.tools.parse(c.text, f"{reply.rid}-{i}")
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append({"index": i, "message": message, "logprobs": logprobs,
+                            "finish_reason": reason})
         else:
             choices.append({"index": i, "text": reply.prefix + c.text,
                             "finish_reason": c.last.finish_reason, "logprobs": logprobs})
-    completion = sum(len(c.token_ids) for c in done)
     out = {"id": reply.rid, "object": reply.kind, "created": reply.created,
            "model": reply.model, "choices": choices,
            "usage": usage(reply.prompt_tokens, completion, done[0].last.cached_tokens)}
@@ -101,6 +113,11 @@ class _Choice:
     token_ids: list[int]
     logprobs: list | None
     last: Delta
+
+
+def _cumulative_logprob(choice: _Choice) -> float:
+    assert choice.logprobs is not None, "best_of ranks by log-probs the choices did not get"
+    return sum(entry[t].logprob for entry, t in zip(choice.logprobs, choice.token_ids))
 
 
 async def _collect(stream: AsyncIterator[Delta], delta: Delta) -> _Choice:
@@ -179,6 +196,7 @@ async def _choice_events(stream: AsyncIterator[Delta], delta: Delta, index: int,
                          offset: int, event):
     """(event text, the delta) for each delta of one choice until it finishes; `offset`:
     the text offset of its first token (completions' log-probs)."""
+    parser = None if reply.tools is None else reply.tools.stream_parser(f"{reply.rid}-{index}")
     while True:
         if delta.error:
             err = {"error": {"message": f"request failed: {delta.error}", "type": "server_error"}}
@@ -187,13 +205,21 @@ async def _choice_events(stream: AsyncIterator[Delta], delta: Delta, index: int,
         reason = delta.finish_reason if delta.finished else None
         logprobs, offset = reply.choice_logprobs(delta.token_ids, delta.logprobs, None, offset)
         if reply.kind == "chat.completion":
-            content = {"content": delta.text} if delta.text else {}
-            choice = {"index": index, "delta": content, "finish_reason": reason}
+            changes = [{"content": delta.text}] if delta.text else []
+            if parser is not None:
+                changes = parser.feed(delta.text) + (parser.finish() if delta.finished else [])
+                if reason == "stop" and parser.calls:
+                    reason = "tool_calls"
+            # The step's log-probs ride on its first chunk, the finish reason on its last.
+            choices = [{"index": index, "delta": c, "logprobs": None, "finish_reason": None}
+                       for c in changes or [{}]]
+            choices[0]["logprobs"], choices[-1]["finish_reason"] = logprobs, reason
+            sent = [c for c in choices if c["delta"] or c["logprobs"] or c["finish_reason"]]
         else:
-            choice = {"index": index, "text": delta.text, "finish_reason": reason}
-        choice["logprobs"] = logprobs
-        news = delta.text or reason or (logprobs is not None and delta.token_ids)
-        yield (event([choice]) if news else ""), delta
+            news = delta.text or reason or (logprobs is not None and delta.token_ids)
+            sent = [{"index": index, "text": delta.text, "logprobs": logprobs,
+                     "finish_reason": reason}] if news else []
+        yield "".join(event([c]) for c in sent), delta
         if delta.finished:
             return
         delta = await anext(stream)

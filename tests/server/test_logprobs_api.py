@@ -106,3 +106,22 @@ def test_completion_logprobs_out_of_range(spec_clients):
         spec_clients["none"].completions.create(model=MODEL, prompt="hi", max_tokens=2,
                                                 logprobs=21)
     assert e.value.body["param"] == "logprobs" and "20" in e.value.body["message"]
+
+
+def test_best_of_returns_the_most_likely_of_the_seeded_choices(spec_clients):
+    kw = dict(model=MODEL, prompt="The sea is", max_tokens=6, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    for spec in ("none", "ddtree"):
+        client = spec_clients[spec]
+        singles = []
+        for i in range(4):  # choice i of a request seeded 5 is the request seeded 5 + i
+            one = client.completions.create(seed=5 + i, logprobs=0, **kw).choices[0]
+            singles.append((sum(one.logprobs.token_logprobs), one.text))
+        best = client.completions.create(seed=5, n=2, best_of=4, **kw)
+        expected = [text for _, text in sorted(singles, reverse=True)[:2]]
+        assert [c.text for c in best.choices] == expected
+        assert best.choices[0].logprobs is None  # not asked for
+        assert best.usage.completion_tokens == 4 * 6  # every candidate counts
+    with pytest.raises(openai.BadRequestError) as e:
+        spec_clients["none"].completions.create(n=3, best_of=2, **kw)
+    assert e.value.body["param"] == "best_of"
