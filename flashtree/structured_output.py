@@ -9,7 +9,8 @@ and its masks (about 10 us a token) are small next to a decode step.
 Under speculation the same masks apply at every verified node: the mask of node v is the
 grammar's state after the drafts on v's path, so the target's masked decision at each node is
 exactly plain decoding's, a draft the grammar rejects is never accepted, and the matcher itself
-only ever advances by committed tokens."""
+only ever advances by committed tokens. The drafter's rows are masked too (`draft_masks`), so
+that its proposals stay inside the grammar."""
 
 from __future__ import annotations
 
@@ -128,6 +129,25 @@ class TokenMatcher:
         everything = b"\xff" * len(rows[0])  # type: ignore[arg-type]
         return _unpack(b"".join(r if r is not None else everything for r in rows),
                        self._compiler.vocab_size, n)
+
+
+    def draft_masks(self, logits: torch.Tensor) -> torch.Tensor:
+        """Allowed tokens at each draft depth [L, vocab] bool for draft logits [L, vocab]: the
+        grammar's state after the drafter's best allowed tokens at the depths before, so a
+        chain drafted from the masked rows stays inside the grammar. Depths past a dead end
+        allow everything."""
+        vocab = self._compiler.vocab_size
+        allowed = torch.ones(logits.shape[0], vocab, dtype=torch.bool)
+        consumed = 0
+        for d in range(logits.shape[0]):
+            allowed[d] = _unpack(self._m.compute_bitmask(), vocab)
+            best = int(logits[d].masked_fill(~allowed[d].to(logits.device), float("-inf"))
+                       .argmax())
+            if not self._m.try_consume_tokens([best]):
+                break
+            consumed += 1
+        self._m.rollback(consumed)
+        return allowed
 
 
 def _unpack(bitmask: bytes, vocab: int, rows: int | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from flashtree.sequence import Sequence
 from flashtree.speculative.acceptance import Candidates
 from flashtree.speculative.proposer import DFlashProposer
 from flashtree.speculative.tree import ancestor_mask, build_trees_from_topk, topk_logprobs
+from flashtree.structured_output import mask_logits
 from flashtree.transfer import to_device
 
 
@@ -134,6 +135,12 @@ class CandidatePlanner:
                 rows[s.seq_id] = logits[offset : offset + b - 1]
                 if argmax is not None:
                     chains[s.seq_id] = argmax[offset : offset + b - 1]
+                if s.matcher is not None and logits.shape[-1] == self._vocab_size:
+                    # Drafts inside the request's grammar (rejected ones would never commit).
+                    rows[s.seq_id] = mask_logits(rows[s.seq_id],
+                                                 s.matcher.draft_masks(rows[s.seq_id]))
+                    if argmax is not None:
+                        chains[s.seq_id] = rows[s.seq_id].argmax(dim=-1).tolist()
                 offset += b - 1
         plans: list[Planned | None] = [None] * len(seqs)
         trees = []  # indices of requests with deterministic trees

@@ -11,6 +11,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from flashtree import LLM, SamplingParams
 
@@ -114,3 +115,23 @@ def test_at_most_one_structured_output_field():
         SamplingParams(guided_regex="a+", guided_json_object=True)
     with pytest.raises(ValueError, match="guided_choice"):
         SamplingParams(guided_choice=[])
+
+
+def test_draft_masks_keep_a_chain_inside_the_grammar(engines):
+    """The masked drafter rows' argmax chain is accepted token by token by a fresh matcher of
+    the same grammar (an independent walk), and computing the masks leaves the state as it
+    was."""
+    compiler = engines["none"].engine._grammar_compiler()
+    params = SamplingParams(guided_json={"type": "object", "properties": {
+        "n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n", "s"]})
+    matcher, fresh = compiler.matcher(params), compiler.matcher(params)
+    logits = torch.randn(12, compiler.vocab_size, generator=torch.Generator().manual_seed(0))
+    before = matcher.masks([0], [0])
+    chain = logits.masked_fill(~matcher.draft_masks(logits), float("-inf")).argmax(-1)
+    assert torch.equal(matcher.masks([0], [0]), before)
+    for token in chain.tolist():
+        fresh.accept(token)  # raises if the grammar rejects it
+    wild = compiler.matcher(params)  # the unmasked chain leaves the grammar
+    with pytest.raises(RuntimeError, match="violates the grammar"):
+        for token in logits.argmax(-1).tolist():
+            wild.accept(token)
