@@ -124,12 +124,12 @@ class ForeignLoad:
 
 
 class FlashtreeRunner:
-    name = "flashtree"
-
-    def __init__(self, max_new_tokens: int) -> None:
+    def __init__(self, max_new_tokens: int, quantization: str | None = None) -> None:
         from flashtree import LLM, SamplingParams
 
-        self.llm = LLM(model="default", device="cpu", dtype="float32")
+        self.name = "flashtree" if quantization is None else f"flashtree {quantization}"
+        self.llm = LLM(model="default", device="cpu", dtype="float32",
+                       quantization=quantization)
         self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
         self.n = max_new_tokens
 
@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,8", help="comma-separated, each dividing 8")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for both engines (default: nproc)")
+    ap.add_argument("--int4", action="store_true",
+                    help="also flashtree with quantization='int4' (GGUF 4-bit weights kept)")
     ap.add_argument("--out", default=None, help="also write the markdown report to this file")
     ap.add_argument("--idle-threshold", type=float, default=0.25,
                     help="a timed run counts as contended when other processes used more than "
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if hf_prompts != prompts:
         log("warning: the two tokenizers render the chat prompts differently; using flashtree's")
     eos = set(ft.llm.engine.eos_token_ids)
-    runners = [ft, hf]
+    runners = [ft, *([FlashtreeRunner(args.max_new_tokens, "int4")] if args.int4 else []), hf]
     load = ForeignLoad()
 
     # (engine, batch) -> [(tokens/s, foreign cores during the run)] of the kept runs
@@ -299,20 +301,19 @@ def main(argv: list[str] | None = None) -> int:
     ]
     contended = 0
     for batch in batches:
-        med = {
-            name: statistics.median(rate for rate, _ in runs[(name, batch)])
-            for name in ("flashtree", "transformers")
-        }
-        agree = agreement(outputs[("flashtree", batch)], outputs[("transformers", batch)], eos,
-                          args.max_new_tokens)
-        for name in ("flashtree", "transformers"):
+        names = [r.name for r in runners]
+        med = {name: statistics.median(rate for rate, _ in runs[(name, batch)])
+               for name in names}
+        for name in names:
             cells = []
             for rate, foreign in runs[(name, batch)]:
                 busy = foreign > args.idle_threshold
                 contended += busy
                 cells.append(f"{rate:.1f}" + ("*" if busy else ""))
-            ratio = f"{med['flashtree'] / med['transformers']:.2f}x" if name == "flashtree" else ""
-            note = agree if name == "flashtree" else "(reference)"
+            ours = name != "transformers"
+            ratio = f"{med[name] / med['transformers']:.2f}x" if ours else ""
+            note = agreement(outputs[(name, batch)], outputs[("transformers", batch)], eos,
+                             args.max_new_tokens) if ours else "(reference)"
             lines.append(
                 f"| {name} | {batch} | {med[name]:.1f} | {', '.join(cells)} | {ratio} | {note} |"
             )
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         f"transformers {transformers.__version__}, Python {platform.python_version()}; "
         f"torch threads {threads} for both engines",
         "- model: SmolLM2-135M-Instruct (embedded `model='default'`, Q4_1 GGUF dequantized to "
-        "float32 by both engines), greedy",
+        "float32 by both engines; `flashtree int4` keeps its 4-bit weights), greedy",
         f"- workload: {len(prompts)} chat prompts of {min(lens)}-{max(lens)} tokens (chat "
         f"template), exactly {args.max_new_tokens} new tokens each; batch 1 = the prompts one "
         "generate call at a time, batch 8 = one call",

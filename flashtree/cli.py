@@ -34,6 +34,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's, all cores; on a CPU shared "
                         "with other busy processes, 1 avoids a collapse)")
+    p.add_argument("--quantization", default=None, choices=["int4"],
+                   help="int4: keep a GGUF model's Q4_0/Q4_1 weights 4-bit on the CPU (about "
+                        "2x faster decoding than float32; bfloat16 activations in them)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every forward runs eagerly (debugging)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -182,7 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   enable_prefix_caching=args.prefix_caching,
                   device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, seed=args.seed, threads=args.threads,
-                  tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
+                  tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
+                  quantization=args.quantization)
         freeze_startup_heap()
         return llm
 
@@ -302,7 +306,7 @@ def _load(args: argparse.Namespace):
                spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
                enable_prefix_caching=args.prefix_caching,
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               seed=args.seed, threads=args.threads)
+               seed=args.seed, threads=args.threads, quantization=args.quantization)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

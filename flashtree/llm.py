@@ -60,6 +60,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = 1024,
         threads: int | None = None,
+        quantization: str | None = None,
         _tp_member: bool = False,  # internal: a TP worker rank building its shard
         _modules: Modules | None = None,  # internal: see from_modules
     ) -> None:
@@ -89,6 +90,10 @@ class LLM:
         if spec_policy not in SPEC_POLICIES:
             raise ValueError(f"spec_policy={spec_policy!r} is not supported; allowed: "
                              f"{list(SPEC_POLICIES)}")
+        if quantization not in (None, "int4"):
+            raise ValueError(f"quantization={quantization!r} is not supported; allowed: None "
+                             "(weights as float) or 'int4' (a GGUF's Q4_0/Q4_1 weights kept "
+                             "4-bit on the CPU)")
         if threads is not None:
             if threads < 1:
                 raise ValueError(f"threads must be >= 1, got {threads}")
@@ -122,7 +127,8 @@ class LLM:
                 skip_tokenizer_init=skip_tokenizer_init, seed=seed, tree_sampling=tree_sampling,
                 spec_policy=spec_policy, page_size=page_size, kv_cache_pages=kv_cache_pages,
                 enable_prefix_caching=enable_prefix_caching,
-                max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager)
+                max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
+                quantization=quantization)
         except BaseException:
             self.shutdown()
             raise
@@ -149,11 +155,13 @@ class LLM:
                max_model_len, max_num_seqs, skip_tokenizer_init, seed, tree_sampling,
                spec_policy, page_size, kv_cache_pages, enable_prefix_caching,
                max_num_batched_tokens,
-               enforce_eager) -> None:
+               enforce_eager, quantization) -> None:
         self.dtype = parse_dtype(dtype, self.device)
         if modules is None:
             path = resolve_model_path(model)
             self.model, self.model_config = load_model(path, self.dtype, self.device)
+            if quantization == "int4":
+                self._pack_int4(path)
             self.drafter = (None if spec == "none"
                             else load_dflash_drafter(draft, self.dtype, self.device))
         else:
@@ -182,6 +190,17 @@ class LLM:
                             prefix_caching=enable_prefix_caching)
         args = EngineConfig(self.device, self.dtype, sched, cache, spec_cfg, seed, enforce_eager)
         self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args, self.drafter)
+
+    def _pack_int4(self, path) -> None:
+        if (path.suffix != ".gguf" or self.device.type != "cpu" or self.dtype != torch.float32
+                or get_tp_size() > 1):
+            raise ValueError("quantization='int4' keeps a GGUF file's 4-bit weights packed for "
+                             "the CPU: it needs a .gguf model, device='cpu', float32 and one "
+                             "process (no tensor parallelism)")
+        from flashtree.models.gguf import pack_gguf_int4
+
+        if pack_gguf_int4(self.model, path) == 0:
+            raise ValueError(f"quantization='int4': {path.name} has no Q4_0/Q4_1 linear weights")
 
     # ----------------------------------------------------------------- generation
     def generate(

@@ -8,6 +8,7 @@ from torch import nn
 
 from flashtree.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 from flashtree.layers import dense
+from flashtree.layers.int4_cpu import Int4Weight
 
 
 def _copy_checked(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
@@ -45,6 +46,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.int4: Int4Weight | None = None  # replaces weight on the CPU (gguf.pack_gguf_int4)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         """Copy this rank's rows of logical output `shard` from the full tensor `loaded`."""
@@ -57,6 +59,9 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(target.data.narrow(0, offset, size), rows, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None:
+            y = self.int4.matmul(x)
+            return y if self.bias is None else y + self.bias
         return dense(x, self.weight, self.bias)
 
 
@@ -75,6 +80,7 @@ class RowParallelLinear(nn.Module):
         self.in_shard = in_features // tp
         self.weight = nn.Parameter(torch.empty(out_features, self.in_shard), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.int4: Int4Weight | None = None  # replaces weight on the CPU (gguf.pack_gguf_int4)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         if loaded.dim() == 1:
@@ -86,7 +92,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(self.weight, cols, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense(x, self.weight)
+        y = dense(x, self.weight) if self.int4 is None else self.int4.matmul(x)
         if not self.reduce:
             return y
         y = tp_all_reduce(y)

@@ -121,6 +121,52 @@ def gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
         yield hf, torch.from_numpy(np.ascontiguousarray(w))
 
 
+def pack_gguf_int4(model, path: Path) -> int:
+    """Replace the float weights of `model`'s linear layers (loaded from the GGUF file at
+    `path`) by the file's Q4_0 / Q4_1 codes, repacked for the CPU int4 kernel; layers stacked
+    from several tensors (q/k/v, gate/up) are packed when all of them are 4-bit. Returns the
+    number of layers packed."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from flashtree.layers.int4_cpu import Int4Weight, gguf_q4_blocks
+
+    cfg = model.cfg
+    blocks: dict[str, tuple[np.ndarray, ...]] = {}  # HF module path -> codes, scales, zeros
+    for t in GGUFReader(str(path)).tensors:
+        kinds = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+        base, _, kind = t.name.rpartition(".")
+        parts = base.split(".")
+        if t.tensor_type not in kinds or kind != "weight" or len(parts) != 3 or (
+                parts[0] != "blk" or parts[2] not in _LAYER_TENSORS):
+            continue
+        arrays = gguf_q4_blocks(np.asarray(t.data), t.tensor_type == GGMLQuantizationType.Q4_1)
+        if parts[2] in ("attn_q", "attn_k"):
+            heads = cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads
+            arrays = tuple(_unpermute_rope_rows(a, heads) for a in arrays)
+        blocks[f"layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"] = arrays
+    sources: dict[str, list[str]] = {}  # stacked target -> its HF suffixes in order
+    for suffix, (target, _) in sorted(model.stacked.items(), key=lambda kv: kv[1][1]):
+        sources.setdefault(target, []).append(suffix)
+    packed = 0
+    for name, module in model.named_modules():
+        if not hasattr(module, "int4"):
+            continue
+        target = next((t for t in sources if name.endswith(t)), None)
+        parts = [name] if target is None else [name[: -len(target)] + s for s in sources[target]]
+        if not all(p in blocks for p in parts):
+            continue
+        codes, scales, zeros = (torch.from_numpy(np.concatenate([blocks[p][i] for p in parts]))
+                                for i in range(3))
+        weight = Int4Weight(codes, scales, zeros)
+        # The float weight loaded from the same file is the codes' exact dequantization.
+        exact = ((codes.view(*scales.shape, -1) - 8) * scales[..., None] + zeros[..., None])
+        assert torch.allclose(exact.view_as(module.weight), module.weight, rtol=1e-6,
+                              atol=1e-6), f"{name}: GGUF codes do not match the loaded weight"
+        module.int4, module.weight = weight, None
+        packed += 1
+    return packed
+
+
 def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device):
     from gguf import GGUFReader
     from safetensors.torch import save_file

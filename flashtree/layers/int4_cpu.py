@@ -1,0 +1,55 @@
+"""Linear weights kept as 4-bit codes on the CPU: GGUF Q4_0 / Q4_1 blocks (32 weights, a scale
+and, for Q4_1, a minimum) repacked at load into PyTorch's int4 layout, multiplied by
+`aten._weight_int4pack_mm_for_cpu`, whose fast path reads bfloat16 activations, scales and zeros
+(its float32 and float16 paths are 4-40x slower than a float32 matmul). The codes are the file's
+exactly; the products differ from float32 by those bfloat16 roundings. A decode step
+streams its weights from memory, so 4-bit codes (84 MB for the default model against 538 MB as
+float32) run its matmuls 3.35x faster on 2 cores
+(`benchmarks/results/2026-12-05-cpu-kernels.md`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+GROUP = 32  # weights per GGUF block
+
+
+class Int4Weight:
+    """A [out, in] weight as int4 codes c with per-group scale d and zero z: w = (c - 8) d + z."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        out_features, in_features = codes.shape
+        assert scales.shape == zeros.shape == (out_features, in_features // GROUP), (
+            f"codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, zeros "
+            f"{tuple(zeros.shape)}")
+        self.shape = (out_features, in_features)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 2)
+        # [in / GROUP, out, 2]
+        self.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
+        self.scales_and_zeros = self.scales_and_zeros.bfloat16()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> x W^T [..., out] in x's dtype."""
+        rows = x.reshape(-1, self.shape[1]).bfloat16()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP,
+                                                        self.scales_and_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+
+
+def gguf_q4_blocks(raw: np.ndarray, q4_1: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A GGUF Q4_0 / Q4_1 tensor's raw blocks [rows, bytes] -> codes [rows, in] (0..15),
+    scales and zeros [rows, in / GROUP] such that (code - 8) * scale + zero is the value."""
+    block = 20 if q4_1 else 18  # fp16 scale (and fp16 minimum), then 16 bytes of nibbles
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, block)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., block - 16:]
+    # Byte j holds weight j in its low nibble and weight j + 16 in its high one.
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+    if q4_1:
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = minimum + 8 * scale  # w = scale * code + minimum
+    else:
+        zero = np.zeros_like(scale)  # w = scale * (code - 8)
+    return codes.astype(np.int32), scale, zero
