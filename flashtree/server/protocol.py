@@ -151,7 +151,6 @@ class ChatMessage(_Strict):
             texts.append(part["text"])
         return "\n".join(texts)
 
-
     @model_validator(mode="after")
     def _content_or_calls(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
