@@ -118,10 +118,11 @@ class TokenMatcher:
         rows: list[bytes | None] = [None] * n
 
         def visit(v: int) -> None:
-            rows[v] = self._m.compute_bitmask()
-            allowed = _unpack(rows[v], self._compiler.vocab_size)
+            bitmask = rows[v] = self._m.compute_bitmask()
             for child in children[v]:
-                if allowed[tokens[child]] and self._m.try_consume_tokens([tokens[child]]):
+                token = tokens[child]
+                allowed = bitmask[token >> 3] >> (token & 7) & 1  # see _unpack
+                if allowed and self._m.try_consume_tokens([token]):
                     visit(child)
                     self._m.rollback(1)
 
@@ -158,6 +159,22 @@ def _unpack(bitmask: bytes, vocab: int, rows: int | None = None) -> torch.Tensor
     if rows is None:
         return bits.flatten()[:vocab]
     return bits.view(rows, -1)[:, :vocab]
+
+
+def mask_by_grammar(logits: torch.Tensor,
+                    trees: list[tuple[TokenMatcher | None, list[int], list[int]]]
+                    ) -> torch.Tensor:
+    """Logits of consecutive candidate trees (per request: its matcher or None, the trees'
+    node tokens and parents; a plain step's row is a tree of its last token alone) limited,
+    node by node, to what each request's grammar allows there."""
+    allowed = torch.ones(logits.shape, dtype=torch.bool)
+    base = 0
+    for matcher, tokens, parents in trees:
+        if matcher is not None:
+            allowed[base : base + len(tokens)] = matcher.masks(tokens, parents)
+        base += len(tokens)
+    assert base == logits.shape[0], f"{base} tree nodes for {logits.shape[0]} logits rows"
+    return mask_logits(logits, allowed)
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from flashtree.sequence import Sequence
 from flashtree.speculative.decoder import SpeculativeDecoder
 from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy, SpecPolicy, StepResult
 from flashtree.speculative.proposer import ContextRows, DFlashProposer
-from flashtree.structured_output import GrammarCompiler, mask_logits
+from flashtree.structured_output import GrammarCompiler, mask_by_grammar
 from flashtree.tokenizer import Tokenizer
 from flashtree.transfer import to_device
 
@@ -262,7 +262,8 @@ class LLMEngine:
                 leases=leases, counts=None if mode == Mode.DECODE else tuple(
                     c.count for c in chunks)))
         if any(c.seq.matcher is not None for c in sampling):
-            logits = _mask_by_grammar([c.seq for c in sampling], logits)
+            logits = mask_by_grammar(logits, [(c.seq.matcher, [c.seq.last_token], [0])
+                                              for c in sampling])
         if not sampling:
             tokens = []
         elif all_greedy:  # one device sync for the batch
@@ -393,14 +394,3 @@ class LLMEngine:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, seq.params.skip_special_tokens)
 
-
-def _mask_by_grammar(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-    """Each guided request's row (logits [len(seqs), vocab]) limited to what its grammar
-    allows next."""
-    rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
-    allowed = torch.ones(len(seqs), logits.shape[-1], dtype=torch.bool)
-    for i in rows:
-        matcher = seqs[i].matcher
-        assert matcher is not None
-        allowed[i] = matcher.masks([seqs[i].last_token], [0])[0]
-    return mask_logits(logits, allowed)

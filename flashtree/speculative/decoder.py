@@ -19,7 +19,7 @@ from flashtree.speculative.candidates import CandidatePlanner, Planned, TreeBatc
 from flashtree.speculative.proposer import ContextRows, DFlashProposer
 from flashtree.speculative.stats import SpecStats
 from flashtree.speculative.tree_verify import TreeBatchVerifier
-from flashtree.structured_output import mask_logits
+from flashtree.structured_output import mask_by_grammar
 from flashtree.transfer import to_device
 
 
@@ -76,7 +76,8 @@ class SpeculativeDecoder:
         logits, features = self.runner.forward(Mode.VERIFY, items, gather_logits=not all_greedy)
         assert features is not None, "verify must capture the drafter's target layers"
         if any(s.matcher is not None for s in seqs):
-            logits = _mask_by_grammar(seqs, plans, logits)
+            logits = mask_by_grammar(logits, [(s.matcher, p.cand.tokens, p.cand.parents)
+                                              for s, p in zip(seqs, plans)])
         return accept(seqs, plans, logits, self.runner.model.lm_head.vocab_start), features, logits
 
     def _keep(self, seqs: list[Sequence], walks: list[Walk], sizes: list[int],
@@ -108,16 +109,3 @@ def _path_logits(seqs: list[Sequence], walks: list[Walk], sizes: list[int], logi
         base += n
     return out
 
-
-def _mask_by_grammar(seqs: list[Sequence], plans: list[Planned], logits: torch.Tensor
-                     ) -> torch.Tensor:
-    """The verify rows of guided requests limited, node by node, to what their grammar allows
-    after the node's path (rows: every request's candidates, in order)."""
-    allowed = torch.ones(logits.shape, dtype=torch.bool)
-    base = 0
-    for seq, plan in zip(seqs, plans):
-        n = len(plan.cand.tokens)
-        if seq.matcher is not None:
-            allowed[base : base + n] = seq.matcher.masks(plan.cand.tokens, plan.cand.parents)
-        base += n
-    return mask_logits(logits, allowed)
