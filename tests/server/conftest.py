@@ -52,6 +52,17 @@ def start_server(model, drafter, statuses: list[int] | None = None, extra: tuple
     return base, proc
 
 
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every server, then wait for each (killed after a minute)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def metric(base: str, name: str) -> float:
     """The server's /metrics value of `name` (a series name, or one with its labels), summed
     over its labelled series."""
@@ -65,11 +76,7 @@ def server(tiny_chat_model):
     """(base_url, process) of a speculative (ddtree) server with an API key."""
     base, proc = start_server(*tiny_chat_model)
     yield base, proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_servers([proc])
 
 
 @pytest.fixture
@@ -95,10 +102,4 @@ def spec_clients(tiny_chat_model):
             clients[spec] = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
         yield clients
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers(procs)

@@ -7,13 +7,12 @@ every spec mode, earlier calls and tool results render, and bad tool requests ar
 from __future__ import annotations
 
 import json
-import subprocess
 
 import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL, start_server
+from tests.server.conftest import API_KEY, MODEL, start_server, stop_servers
 from tests.tiny import save_reference_drafter, save_tiny_llama
 
 TOOLS = [
@@ -100,13 +99,7 @@ def family_clients(tmp_path_factory):
                                            max_retries=0)
         yield clients
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers(procs)
 
 
 def _ask(client, **kw):
