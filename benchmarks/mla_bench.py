@@ -76,8 +76,10 @@ def latent_call(backend_cls, batch: int, ctx: int, tokens: int, shape: tuple[int
     backend = backend_cls(cache)
     backend.begin_forward(meta)
     scale = (latent + rope) ** -0.5
+    # Each query row and head scores its keys over latent + rope and sums latent-wide values.
+    flops = 2 * batch * tokens * heads * total * (2 * latent + rope)
     return (lambda: backend.forward_latent(0, q, new, latent, scale),
-            batch * total * (latent + rope) * cache.k.element_size())
+            batch * total * (latent + rope) * cache.k.element_size(), flops)
 
 
 def attention_section(args, device: torch.device, dtype: torch.dtype) -> dict:
@@ -88,17 +90,19 @@ def attention_section(args, device: torch.device, dtype: torch.dtype) -> dict:
              for cls in (SdpaBackend, TritonBackend)]
     err = (check[0].float() - check[1].float()).abs().max().item()
     rows = []
+
+    def timed(step: str, ctx: int, batch: int, tokens: int, tree: bool) -> None:
+        fn, read, flops = latent_call(TritonBackend, batch, ctx, tokens, shape, device, dtype,
+                                      16, tree)
+        ms = graph_ms(fn, args.reps)
+        rows.append({"step": step, "ctx": ctx, "batch": batch, "ms": ms,
+                     "tbps": read / ms / 1e9, "tflops": flops / ms / 1e9})
+        print(rows[-1], flush=True)
+
     for ctx in args.contexts:
         for batch in args.batches:
-            fn, read = latent_call(TritonBackend, batch, ctx, 1, shape, device, dtype, 16, False)
-            ms = graph_ms(fn, args.reps)
-            rows.append({"step": "decode", "ctx": ctx, "batch": batch, "ms": ms,
-                         "tbps": read / ms / 1e9})
-        fn, read = latent_call(TritonBackend, 1, ctx, TREE_NODES, shape, device, dtype, 16, True)
-        ms = graph_ms(fn, args.reps)
-        rows.append({"step": f"verify {TREE_NODES}", "ctx": ctx, "batch": 1, "ms": ms,
-                     "tbps": read / ms / 1e9})
-        print(rows[-1], flush=True)
+            timed("decode", ctx, batch, 1, False)
+        timed(f"verify {TREE_NODES}", ctx, 1, TREE_NODES, True)
     return {"shape": shape, "max_err_vs_sdpa": err, "rows": rows}
 
 
@@ -107,8 +111,12 @@ def model_section(args, device: torch.device, dtype: torch.dtype) -> dict:
     model, cfg = random_target(shape, dtype, device)
     out = {"layers": args.layers, "ctx": args.model_ctx}
     for eager in (False, True):
+        # The pool sized for the batches (sized from free memory, the second engine would see
+        # what the first one's allocator still holds).
+        pages = max(args.model_batches) * (-(-(args.model_ctx + 64) // 16) + 1)
         llm = LLM.from_modules(model, cfg, max_num_seqs=max(args.model_batches),
-                               max_model_len=args.model_ctx + 64, enforce_eager=eager)
+                               max_model_len=args.model_ctx + 64, enforce_eager=eager,
+                               kv_cache_pages=pages)
         if not eager:
             out["graphs"] = llm.engine.uses_cuda_graphs
         with Scratch(llm) as s, torch.inference_mode():
@@ -146,9 +154,10 @@ def report(res: dict) -> str:
         heads, latent, rope = att["shape"]
         lines += [f"## Attention ({heads} heads, latent {latent} + rope {rope}, graph-replayed;"
                   f" max |Triton - SDPA| {att['max_err_vs_sdpa']:.2g})", "",
-                  "| step | context | batch | ms | latent TB/s |", "|---|---|---|---|---|"]
+                  "| step | context | batch | ms | latent TB/s | TFLOP/s |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {r['step']} | {r['ctx']} | {r['batch']} | {r['ms']:.3f} | "
-                  f"{r['tbps']:.2f} |" for r in att["rows"]]
+                  f"{r['tbps']:.2f} | {r['tflops']:.0f} |" for r in att["rows"]]
         lines.append("")
     model = res.get("model")
     if model:

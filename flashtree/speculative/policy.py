@@ -6,8 +6,9 @@
 behaviour). `AdaptivePolicy` speculates where it is measured to be faster: per power-of-two
 bucket of batch sizes it compares committed tokens per second of speculative steps with those
 of plain steps, both timed whole on this machine, and backs off exponentially (with probes)
-where speculation loses; a larger bucket met later starts from that back-off. Measurements
-behind the constants: docs/speculation.md."""
+where speculation loses. A new bucket starts from its neighbours' verdicts: backed off above a
+bucket where speculation lost, speculating below one where it won (plain steps timed later).
+Measurements behind the constants: docs/speculation.md."""
 
 from __future__ import annotations
 
@@ -107,13 +108,17 @@ class AdaptivePolicy:
 
     def _new_bucket(self, key: int) -> _Bucket:
         """A bucket not seen before. Speculation gains less as the batch grows, so above a
-        bucket where it lost the new one starts backed off as that one is, instead of paying
-        a first probe of its own."""
+        bucket where it lost the new one starts backed off as that one is, and below a bucket
+        where it won the new one starts speculating, instead of paying a first probe of its own
+        (a batch that drains passes through every bucket below its own)."""
         below = [k for k in self.buckets if k < key]
         if below:
             nearest = self.buckets[max(below)]
             if nearest.backoff:
                 return _Bucket(plain_left=nearest.backoff, backoff=nearest.backoff)
+        above = [k for k in self.buckets if k > key]
+        if above and self.buckets[min(above)].speculation_loses() is False:
+            return _Bucket(plain_left=0)
         return _Bucket()
 
     def plan(self, requests: int) -> int:
@@ -145,7 +150,10 @@ class AdaptivePolicy:
             bucket.plain_left = bucket.backoff
             bucket.spec_s.clear()  # the probe after the back-off times speculation afresh
             bucket.since_plain = 0
-        elif loses is False:
-            if bucket.since_plain >= _RETIME_EVERY:
-                bucket.plain_left, bucket.since_plain = 2, 0  # one cold, one timed
+        elif bucket.since_plain >= _RETIME_EVERY:
+            if loses is False:
+                bucket.plain_left = 2  # one cold, one timed
                 bucket.backoff = 0  # speculation held its own for a whole stretch
+            else:  # a bucket that started speculating: time plain decoding for a verdict
+                bucket.plain_left = 1 + _MIN_TIMED - len(bucket.plain_s)
+            bucket.since_plain = 0

@@ -41,7 +41,8 @@ def test_attention_call_matches_sdpa_through_the_interpreter():
 
     outs = [latent_call(cls, 2, 40, 8, ATTENTION["tiny"], torch.device("cpu"), torch.float32,
                         4, True) for cls in (SdpaBackend, TritonBackend)]
-    (ref, read), (got, _) = ((fn(), n) for fn, n in outs)
+    (ref, read, flops), (got, _, _) = ((fn(), n, f) for fn, n, f in outs)
     assert read == 2 * 48 * 24 * 4  # batch x (context + new) x latent + rope x fp32 bytes
+    assert flops == 2 * 16 * 4 * 48 * (2 * 16 + 8)  # rows x heads x keys x (scores + values)
     assert got.shape == ref.shape == (16, 4, 16)
     assert (got - ref).abs().max().item() < 1e-4

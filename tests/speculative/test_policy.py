@@ -115,3 +115,22 @@ def test_a_larger_batch_measures_afresh_where_a_smaller_one_won():
     drive(policy, 300, 4, spec_seconds=1.5, accepted=3.0)  # pays at 4 requests
     larger = drive(policy, 40, 16, spec_seconds=1.5, accepted=3.0)
     assert larger[:5] == [False] * 5 and all(larger[10:])  # times plain first, then speculates
+
+
+def test_a_smaller_batch_starts_speculating_where_a_larger_one_won():
+    """A batch that drains (requests finishing) meets smaller buckets for the first time: they
+    take the larger bucket's win instead of timing plain decoding first, and time it later."""
+    policy = AdaptivePolicy(BUDGET)
+    drive(policy, 300, 64, spec_seconds=1.5, accepted=3.0)  # pays at 64 requests
+    smaller = drive(policy, 300, 16, spec_seconds=1.5, accepted=3.0)
+    assert smaller[:64] == [True] * 64
+    assert policy.at(16).speculation_loses() is False  # plain decoding timed by then
+    assert sum(smaller) > 0.95 * len(smaller)
+
+
+def test_a_smaller_batch_that_took_a_win_still_backs_off_where_it_loses():
+    policy = AdaptivePolicy(BUDGET)
+    drive(policy, 300, 64, spec_seconds=1.5, accepted=3.0)
+    smaller = drive(policy, 600, 16, spec_seconds=1.5, accepted=1.2)
+    assert smaller[0] and policy.at(16).backoff > 0
+    assert sum(smaller[-300:]) < 10
