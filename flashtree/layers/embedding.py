@@ -26,6 +26,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.zeros(self.shard_size, hidden_size), requires_grad=False
         )
+        self.packed = None  # replaces weight on the CPU (gguf.pack_gguf_int4): rows, matmul
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         if loaded.shape != (self.vocab_size, self.weight.shape[1]):
@@ -38,6 +39,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         # token_ids: [num_tokens] -> [num_tokens, hidden]
+        if self.packed is not None:
+            return self.packed.rows(token_ids)
         if get_tp_size() == 1:
             return F.embedding(token_ids, self.weight)
         local = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
@@ -51,7 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:  # type: ignore[override]
         # hidden: [n, hidden] -> logits [n, vocab] (or [n, vocab_end - vocab_start])
-        local = dense(hidden, self.weight)
+        local = dense(hidden, self.weight) if self.packed is None else self.packed.matmul(hidden)
         if not gather:
             return local[..., : self.vocab_end - self.vocab_start]
         return tp_all_gather_last_dim(local)[..., : self.vocab_size]

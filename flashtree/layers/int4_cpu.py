@@ -36,6 +36,60 @@ class Int4Weight:
                                                         self.scales_and_zeros)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W in float32 (an embedding lookup), unpacked from the kernel's layout:
+        byte [r // 64, k, r % 32] holds row r's code k in its low nibble when r % 64 < 32, in
+        its high nibble otherwise (checked by `_check_layout` at import)."""
+        blocks = self.packed.view(-1, self.shape[1], _PACK_ROWS // 2)
+        cols = ids % _PACK_ROWS
+        packed = blocks[ids // _PACK_ROWS, :, cols % (_PACK_ROWS // 2)]  # [n, in]
+        codes = torch.where((cols < _PACK_ROWS // 2)[:, None], packed & 0x0F, packed >> 4)
+        scale, zero = self.scales_and_zeros[:, ids].float().unbind(-1)  # [in / GROUP, n]
+        grouped = (codes.float() - 8).view(len(ids), -1, GROUP)
+        return (grouped * scale.t()[..., None] + zero.t()[..., None]).view(len(ids), -1)
+
+
+_PACK_ROWS = 64  # rows of W interleaved in one block of the CPU int4 layout
+
+
+def _check_layout() -> None:
+    """`Int4Weight.rows` reads PyTorch's private packed layout; a PyTorch that packs otherwise
+    fails here, at import, instead of returning wrong embeddings."""
+    codes = torch.arange(2 * _PACK_ROWS * GROUP).view(2 * _PACK_ROWS, GROUP) * 7 % 16
+    ones = torch.ones(2 * _PACK_ROWS, 1)
+    w = Int4Weight(codes, ones, 8 * ones)
+    got = w.rows(torch.arange(2 * _PACK_ROWS))
+    assert torch.equal(got, codes.float()), "PyTorch's CPU int4 packing changed its layout"
+
+
+class Q8Weight:
+    """A [out, in] weight of signed 8-bit codes c with a scale d per group of 32 (GGUF Q8_0,
+    w = c d), multiplied as two 4-bit planes of c + 128 = 16 h + l through the int4 kernel:
+    w = (h - 8) 16 d + (l - 8) d + 8 d. Two 4-bit reads cost less than one float32 or bfloat16
+    read of the same weight (the LM head: `benchmarks/results/2026-12-05-cpu-kernels.md`)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        unsigned = codes.int() + 128
+        self.shape = tuple(codes.shape)
+        self.high = Int4Weight(unsigned >> 4, 16 * scales, torch.zeros_like(scales))
+        self.low = Int4Weight(unsigned & 0x0F, scales, 8 * scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.high.matmul(x) + self.low.matmul(x)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.high.rows(ids) + self.low.rows(ids)
+
+
+def gguf_q8_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A GGUF Q8_0 tensor's raw blocks [rows, bytes] -> codes [rows, in] (int8) and scales
+    [rows, in / GROUP] such that code * scale is the value."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 34)  # fp16 scale, then 32 signed bytes
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+    return codes, scale
+
 
 def gguf_q4_blocks(raw: np.ndarray, q4_1: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A GGUF Q4_0 / Q4_1 tensor's raw blocks [rows, bytes] -> codes [rows, in] (0..15),
@@ -53,3 +107,6 @@ def gguf_q4_blocks(raw: np.ndarray, q4_1: bool) -> tuple[np.ndarray, np.ndarray,
     else:
         zero = np.zeros_like(scale)  # w = scale * (code - 8)
     return codes.astype(np.int32), scale, zero
+
+
+_check_layout()

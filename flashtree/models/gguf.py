@@ -124,25 +124,38 @@ def gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
 def pack_gguf_int4(model, path: Path) -> int:
     """Replace the float weights of `model`'s linear layers (loaded from the GGUF file at
     `path`) by the file's Q4_0 / Q4_1 codes, repacked for the CPU int4 kernel; layers stacked
-    from several tensors (q/k/v, gate/up) are packed when all of them are 4-bit. Returns the
-    number of layers packed."""
+    from several tensors (q/k/v, gate/up) are packed when all of them are 4-bit. The token
+    embedding and LM head are packed too when they are Q8_0, Q4_0 or Q4_1. Returns the number
+    of linear layers packed."""
     from gguf import GGMLQuantizationType, GGUFReader
 
-    from flashtree.layers.int4_cpu import Int4Weight, gguf_q4_blocks
+    from flashtree.layers.int4_cpu import Int4Weight, Q8Weight, gguf_q4_blocks, gguf_q8_blocks
 
     cfg = model.cfg
+    q4 = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
     blocks: dict[str, tuple[np.ndarray, ...]] = {}  # HF module path -> codes, scales, zeros
+    heads: dict[str, Int4Weight | Q8Weight] = {}  # token_embd / output -> packed
     for t in GGUFReader(str(path)).tensors:
-        kinds = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
         base, _, kind = t.name.rpartition(".")
         parts = base.split(".")
-        if t.tensor_type not in kinds or kind != "weight" or len(parts) != 3 or (
+        if base in ("token_embd", "output") and kind == "weight":
+            if t.tensor_type == GGMLQuantizationType.Q8_0:
+                codes, scales = (torch.from_numpy(a) for a in gguf_q8_blocks(np.asarray(t.data)))
+                heads[base] = Q8Weight(codes, scales)
+                _check_exact(base, codes.float().view(*scales.shape, -1) * scales[..., None],
+                             _float_weight(model, base))
+            elif t.tensor_type in q4:
+                arrays = gguf_q4_blocks(np.asarray(t.data), t.tensor_type == q4[1])
+                heads[base] = _packed_q4(*(torch.from_numpy(a) for a in arrays), base,
+                                         _float_weight(model, base))
+            continue
+        if t.tensor_type not in q4 or kind != "weight" or len(parts) != 3 or (
                 parts[0] != "blk" or parts[2] not in _LAYER_TENSORS):
             continue
-        arrays = gguf_q4_blocks(np.asarray(t.data), t.tensor_type == GGMLQuantizationType.Q4_1)
+        arrays = gguf_q4_blocks(np.asarray(t.data), t.tensor_type == q4[1])
         if parts[2] in ("attn_q", "attn_k"):
-            heads = cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads
-            arrays = tuple(_unpermute_rope_rows(a, heads) for a in arrays)
+            heads_of = cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads
+            arrays = tuple(_unpermute_rope_rows(a, heads_of) for a in arrays)
         blocks[f"layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"] = arrays
     sources: dict[str, list[str]] = {}  # stacked target -> its HF suffixes in order
     for suffix, (target, _) in sorted(model.stacked.items(), key=lambda kv: kv[1][1]):
@@ -157,14 +170,35 @@ def pack_gguf_int4(model, path: Path) -> int:
             continue
         codes, scales, zeros = (torch.from_numpy(np.concatenate([blocks[p][i] for p in parts]))
                                 for i in range(3))
-        weight = Int4Weight(codes, scales, zeros)
-        # The float weight loaded from the same file is the codes' exact dequantization.
-        exact = ((codes.view(*scales.shape, -1) - 8) * scales[..., None] + zeros[..., None])
-        assert torch.allclose(exact.view_as(module.weight), module.weight, rtol=1e-6,
-                              atol=1e-6), f"{name}: GGUF codes do not match the loaded weight"
-        module.int4, module.weight = weight, None
+        module.int4, module.weight = _packed_q4(codes, scales, zeros, name, module.weight), None
         packed += 1
+    # The LM head of tied embeddings is the embedding's module weight: packed with it.
+    for base, module in (("token_embd", model.embed_tokens), ("output", model.lm_head)):
+        if base in heads:
+            module.packed, module.weight = heads[base], None
+    if cfg.tie_word_embeddings and "token_embd" in heads:
+        model.lm_head.packed, model.lm_head.weight = heads["token_embd"], None
     return packed
+
+
+def _float_weight(model, base: str) -> torch.Tensor:
+    """The float weight loaded for GGUF tensor `base` (token_embd or output)."""
+    return model.embed_tokens.weight if base == "token_embd" else model.lm_head.weight
+
+
+def _packed_q4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, name: str,
+               loaded: torch.Tensor):
+    from flashtree.layers.int4_cpu import Int4Weight
+
+    _check_exact(name, (codes.view(*scales.shape, -1) - 8) * scales[..., None] + zeros[..., None],
+                 loaded)
+    return Int4Weight(codes, scales, zeros)
+
+
+def _check_exact(name: str, dequantized: torch.Tensor, loaded: torch.Tensor) -> None:
+    """The float weight loaded from the same file is the codes' exact dequantization."""
+    assert torch.allclose(dequantized.view_as(loaded), loaded, rtol=1e-6, atol=1e-6), (
+        f"{name}: GGUF codes do not match the loaded weight")
 
 
 def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device):
