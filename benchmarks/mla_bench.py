@@ -113,7 +113,7 @@ def model_section(args, device: torch.device, dtype: torch.dtype) -> dict:
     for eager in (False, True):
         # The pool sized for the batches (sized from free memory, the second engine would see
         # what the first one's allocator still holds).
-        pages = max(args.model_batches) * (-(-(args.model_ctx + 64) // 16) + 1)
+        pages = sum(args.model_batches) * (-(-(args.model_ctx + 64) // 16) + 1)
         llm = LLM.from_modules(model, cfg, max_num_seqs=max(args.model_batches),
                                max_model_len=args.model_ctx + 64, enforce_eager=eager,
                                kv_cache_pages=pages)
