@@ -594,7 +594,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llamacpp-note", default=None,
                     help="how llama-cpp-python was built, for the report (default: one of the "
                     "two builds this file describes, told apart by AMX)")
-    ap.add_argument("--int4", action="store_true", help=argparse.SUPPRESS)  # now always on
     ap.add_argument("--out", default=None,
                     help="write the markdown report here and its JSON beside it (.json)")
     ap.add_argument("--idle-threshold", type=float, default=0.25,
