@@ -9,6 +9,8 @@ float32) run its matmuls 3.35x faster on 2 cores
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -39,7 +41,7 @@ class Int4Weight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W in float32 (an embedding lookup), unpacked from the kernel's layout:
         byte [r // 64, k, r % 32] holds row r's code k in its low nibble when r % 64 < 32, in
-        its high nibble otherwise (checked by `_check_layout` at import)."""
+        its high nibble otherwise (checked by `check_layout` before packing rows)."""
         blocks = self.packed.view(-1, self.shape[1], _PACK_ROWS // 2)
         cols = ids % _PACK_ROWS
         packed = blocks[ids // _PACK_ROWS, :, cols % (_PACK_ROWS // 2)]  # [n, in]
@@ -52,9 +54,10 @@ class Int4Weight:
 _PACK_ROWS = 64  # rows of W interleaved in one block of the CPU int4 layout
 
 
-def _check_layout() -> None:
+@functools.cache
+def check_layout() -> None:
     """`Int4Weight.rows` reads PyTorch's private packed layout; a PyTorch that packs otherwise
-    fails here, at import, instead of returning wrong embeddings."""
+    fails here, before an embedding is packed, instead of returning wrong embeddings."""
     codes = torch.arange(2 * _PACK_ROWS * GROUP).view(2 * _PACK_ROWS, GROUP) * 7 % 16
     ones = torch.ones(2 * _PACK_ROWS, 1)
     w = Int4Weight(codes, ones, 8 * ones)
@@ -86,7 +89,7 @@ def gguf_q8_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     [rows, in / GROUP] such that code * scale is the value."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 34)  # fp16 scale, then 32 signed bytes
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    scale = _half(blocks, 0)
     codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
     return codes, scale
 
@@ -97,16 +100,19 @@ def gguf_q4_blocks(raw: np.ndarray, q4_1: bool) -> tuple[np.ndarray, np.ndarray,
     block = 20 if q4_1 else 18  # fp16 scale (and fp16 minimum), then 16 bytes of nibbles
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, block)
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    scale = _half(blocks, 0)
     nibbles = blocks[..., block - 16:]
     # Byte j holds weight j in its low nibble and weight j + 16 in its high one.
     codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
     if q4_1:
-        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        minimum = _half(blocks, 2)
         zero = minimum + 8 * scale  # w = scale * code + minimum
     else:
         zero = np.zeros_like(scale)  # w = scale * (code - 8)
     return codes.astype(np.int32), scale, zero
 
 
-_check_layout()
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 field at byte `at` of every block, as float32."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)

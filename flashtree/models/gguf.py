@@ -129,7 +129,13 @@ def pack_gguf_int4(model, path: Path) -> int:
     of linear layers packed."""
     from gguf import GGMLQuantizationType, GGUFReader
 
-    from flashtree.layers.int4_cpu import Int4Weight, Q8Weight, gguf_q4_blocks, gguf_q8_blocks
+    from flashtree.layers.int4_cpu import (
+        Int4Weight,
+        Q8Weight,
+        check_layout,
+        gguf_q4_blocks,
+        gguf_q8_blocks,
+    )
 
     cfg = model.cfg
     q4 = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
@@ -139,6 +145,7 @@ def pack_gguf_int4(model, path: Path) -> int:
         base, _, kind = t.name.rpartition(".")
         parts = base.split(".")
         if base in ("token_embd", "output") and kind == "weight":
+            check_layout()  # their rows are read back from the packed layout
             if t.tensor_type == GGMLQuantizationType.Q8_0:
                 codes, scales = (torch.from_numpy(a) for a in gguf_q8_blocks(np.asarray(t.data)))
                 heads[base] = Q8Weight(codes, scales)
