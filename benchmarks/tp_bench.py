@@ -1,9 +1,11 @@
-"""Tensor parallelism on GPUs (NCCL): TP=2 tokens against TP=1 tokens in bf16 for spec none /
-dflash / ddtree (greedy and seeded sampling; each divergence reported with TP=1's top-2 logit
-gap there), then TP1 vs TP2 decode step time on a Qwen3-8B-shaped target with a 5-layer
-Qwen3-8B-shaped DFlash drafter (random weights), AR and DDTree.
+"""Tensor parallelism on GPUs (NCCL): TP=2 tokens, replayed from CUDA graphs and run eagerly,
+against TP=1 tokens in bf16 for spec none / dflash / ddtree (greedy and seeded sampling; each
+divergence reported with TP=1's top-2 logit gap there); TP1 vs TP2 (graphs, and eager) decode
+step time on a Qwen3-8B-shaped target with a 5-layer Qwen3-8B-shaped DFlash drafter (random
+weights), AR and DDTree; and the TP2 group's all-reduce latency per message size, NCCL against
+the one-shot kernel, as the group measured it when it started. Writes a JSON beside the report.
 
-    python benchmarks/tp_bench.py --out benchmarks/results/2026-11-30-tp.md
+    python benchmarks/tp_bench.py --out benchmarks/results/<date>-tp-gpu.md
 
 `--shape tiny --device cpu` runs the same script small over gloo (a check of the script itself).
 """
@@ -25,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashtree import LLM, SamplingParams  # noqa: E402
 from flashtree.bench.random_pair import QWEN3_8B, TINY  # noqa: E402
+from flashtree.distributed import one_shot_all_reduce  # noqa: E402
 from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
 
+RESULTS: dict = {"equality": [], "divergences": [], "steps": []}  # the JSON beside the report
 COMMON = dict(tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
               rms_norm_eps=1e-6)
 
@@ -118,33 +122,42 @@ def equality(args, target: Path, drafter: Path) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     prompts = [torch.randint(0, vocab - 1, (n,), generator=gen).tolist() for n in (5, 33, 100, 17)]
-    cases = [("none", 0.0), ("dflash", 0.0), ("ddtree", 0.0), ("none", 0.8), ("ddtree", 0.8)]
+    cases = [(spec, temp) for temp in (0.0, 0.8) for spec in ("none", "dflash", "ddtree")]
     common = dict(model=str(target), device=args.device, dtype=args.dtype,
                   skip_tokenizer_init=True, max_model_len=1024)
+    runs = [(2, False), (2, True), (1, False)]  # (TP size, eager)
     tokens: dict[tuple, list[list[int]]] = {}
-    for tp in (2, 1):
+    for tp, eager in runs:
         for spec, temp in cases:
             kw = {} if spec == "none" else dict(draft=str(drafter), spec=spec)
-            llm = LLM(**common, **kw, tensor_parallel_size=tp)
+            llm = LLM(**common, **kw, tensor_parallel_size=tp, enforce_eager=eager)
             sp = [SamplingParams(temperature=temp, max_tokens=args.equality_tokens,
                                  ignore_eos=True, seed=100 + i) for i in range(len(prompts))]
-            tokens[tp, spec, temp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+            tokens[tp, eager, spec, temp] = [o.outputs[0].token_ids
+                                             for o in llm.generate(prompts, sp)]
             if tp == 1 and spec == "none" and temp == 0.0:
                 gap_llm = llm
             else:
                 free(llm)
-    lines = ["| spec | T | requests equal (TP2 vs TP1) | first divergences: request @ index "
-             "(TP1's top-2 logit gap there) |", "|---|---:|---:|---|"]
+    lines = ["| spec | T | TP2 graphs = TP2 eager | TP2 graphs = TP1 | first divergences from "
+             "TP1: request @ index (TP1's top-2 logit gap there) |", "|---|---:|---:|---:|---|"]
     for spec, temp in cases:
-        a, b = tokens[1, spec, temp], tokens[2, spec, temp]
-        same = sum(x == y for x, y in zip(a, b))
+        one, two, eager = (tokens[tp, e, spec, temp] for tp, e in ((1, False), (2, False),
+                                                                    (2, True)))
         notes = []
-        for r, (x, y) in enumerate(zip(a, b)):
+        for r, (x, y) in enumerate(zip(one, two)):
             if x != y:
-                j = next(i for i, (u, v) in enumerate(zip(x, y)) if u != v)
+                j = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(map(len, (x, y))))
                 gap = top2_gap(gap_llm, prompts[r] + x[:j])
                 notes.append(f"{r} @ {j} ({gap:.3f})")
-        lines.append(f"| {spec} | {temp} | {same}/{len(a)} | {', '.join(notes) or '-'} |")
+                RESULTS["divergences"].append(dict(spec=spec, temperature=temp, request=r,
+                                                   index=j, tp1_top2_gap=gap))
+        same_eager = sum(x == y for x, y in zip(two, eager))
+        same_one = sum(x == y for x, y in zip(two, one))
+        RESULTS["equality"].append(dict(spec=spec, temperature=temp, requests=len(one),
+                                        graphs_equal_eager=same_eager, graphs_equal_tp1=same_one))
+        lines.append(f"| {spec} | {temp} | {same_eager}/{len(one)} | {same_one}/{len(one)} | "
+                     f"{', '.join(notes) or '-'} |")
     free(gap_llm)
     return lines
 
@@ -177,24 +190,56 @@ def step_times(llm: LLM, batch: int, ctx: int, steps: int, vocab: int) -> tuple[
 def bench(args, target: Path, drafter: Path) -> list[str]:
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     rows: dict[tuple, tuple[float, float]] = {}
-    for tp in (1, 2):
+    runs = [(1, False), (2, False), (2, True)]  # (TP size, eager)
+    for tp, eager in runs:
         for spec in ("none", "ddtree"):
-            kw = {} if spec == "none" else dict(draft=str(drafter), spec=spec)
+            kw = {} if spec == "none" else dict(draft=str(drafter), spec=spec,
+                                                spec_policy="fixed")
             llm = LLM(model=str(target), device=args.device, dtype=args.dtype,
                       skip_tokenizer_init=True, max_model_len=args.ctx + 1024,
-                      max_num_seqs=max(args.batches), tensor_parallel_size=tp, **kw)
+                      max_num_seqs=max(args.batches), tensor_parallel_size=tp,
+                      enforce_eager=eager, **kw)
+            if tp == 2 and not eager and spec == "none":
+                record_all_reduce_latency()
             for b in args.batches:
-                rows[tp, spec, b] = step_times(llm, b, args.ctx, args.steps, vocab)
-                print(f"tp{tp} {spec} batch {b}: {rows[tp, spec, b][0]:.2f} ms/step", flush=True)
+                rows[tp, eager, spec, b] = step_times(llm, b, args.ctx, args.steps, vocab)
+                print(f"tp{tp} eager={eager} {spec} batch {b}: "
+                      f"{rows[tp, eager, spec, b][0]:.2f} ms/step", flush=True)
             free(llm)
-    lines = ["| spec | batch | TP1 ms/step | TP2 ms/step | TP1/TP2 | tokens/step/request |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| spec | batch | TP1 ms/step | TP2 ms/step | TP2 eager ms/step | TP2/TP1 | "
+             "tokens/step/request |", "|---|---:|---:|---:|---:|---:|---:|"]
     for spec in ("none", "ddtree"):
         for b in args.batches:
-            t1, t2 = rows[1, spec, b][0], rows[2, spec, b][0]
-            lines.append(f"| {spec} | {b} | {t1:.2f} | {t2:.2f} | {t1 / t2:.2f} | "
-                         f"{rows[2, spec, b][1]:.2f} |")
+            t1, t2, t2e = (rows[tp, e, spec, b][0] for tp, e in runs)
+            RESULTS["steps"].append(dict(spec=spec, batch=b, tp1_ms=t1, tp2_ms=t2,
+                                         tp2_eager_ms=t2e, tp2_over_tp1=t2 / t1))
+            lines.append(f"| {spec} | {b} | {t1:.2f} | {t2:.2f} | {t2e:.2f} | {t2 / t1:.2f} | "
+                         f"{rows[2, False, spec, b][1]:.2f} |")
+    for b in (1, 32):
+        if (1, False, "none", b) in rows:
+            RESULTS[f"tp2_over_tp1_b{b}"] = (rows[2, False, "none", b][0]
+                                             / rows[1, False, "none", b][0])
     return lines
+
+
+def record_all_reduce_latency() -> None:
+    """The running TP group's calibration: NCCL and one-shot us per message size (slowest
+    rank), and the largest message the group sends one-shot."""
+    one_shot = one_shot_all_reduce()
+    RESULTS["one_shot_max_bytes"] = None if one_shot is None else one_shot.max_bytes
+    if one_shot is not None:
+        RESULTS["all_reduce_us"] = [dict(bytes=n, nccl=a, one_shot=b)
+                                    for n, (a, b) in one_shot.latency_us.items()]
+
+
+def all_reduce_table() -> list[str]:
+    if not RESULTS.get("all_reduce_us"):
+        return ["No one-shot all-reduce in the TP2 group (see the warning in the log).", ""]
+    lines = [f"Messages up to {RESULTS['one_shot_max_bytes']} bytes go one-shot.", "",
+             "| bytes | NCCL us | one-shot us |", "|---:|---:|---:|"]
+    lines += [f"| {r['bytes']} | {r['nccl']:.1f} | {r['one_shot']:.1f} |"
+              for r in RESULTS["all_reduce_us"]]
+    return [*lines, ""]
 
 
 def main() -> int:
@@ -235,15 +280,21 @@ def main() -> int:
     if "bench" not in args.skip:
         report += [f"## Decode step time, context {args.ctx}, median of {args.steps} steps "
                    "(wall time of `engine.step()`, host and broadcast included; DDTree budget "
-                   "15, random drafter so about one token per step)", ""]
+                   "15, random drafter so about one token per step). TP2/TP1 compares graph "
+                   "runs (goals: <= 0.65 at batch 1, <= 0.6 at batch 32)", ""]
         try:
             target = make_target(work / "target", shape, shape["num_hidden_layers"], gen_dev)
             drafter = make_drafter(work / "drafter", target, shape, 5, 16, gen_dev)
             report += [*bench(args, target, drafter), ""]
+            report += ["## All-reduce latency in the TP2 group (bf16, replayed from a CUDA graph "
+                       "of 20 calls, slowest rank)", "", *all_reduce_table()]
         except Exception:  # noqa: BLE001
             report += ["```", traceback.format_exc(), "```", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(report))
+    RESULTS.update(command="python benchmarks/tp_bench.py " + " ".join(sys.argv[1:]),
+                   machine=report[2], shape=args.shape, dtype=args.dtype, ctx=args.ctx)
+    Path(args.out).with_suffix(".json").write_text(json.dumps(RESULTS, indent=1))
     print("\n".join(report))
     return 0
 

@@ -1,33 +1,58 @@
 """Tensor-parallel state over torch.distributed (gloo on CPU, NCCL on GPUs). Layers read their
 rank and the group size from here when they are built, so one model class serves every TP size;
-with no group (the default) everything is rank 0 of 1 and the collectives are no-ops."""
+with no group (the default) everything is rank 0 of 1 and the collectives are no-ops. A group of
+one (`init_tp(0, 1, ...)`) runs every collective, so the TP code path can be tested on one GPU.
+
+Per-step commands travel over a gloo group on the CPU (no device sync, no NCCL launch); under
+NCCL, small all-reduces take a one-shot kernel over peer memory where it measured faster."""
 
 from __future__ import annotations
 
 import datetime
+import pickle
 
 import torch
 import torch.distributed as dist
 
+from flashtree.distributed.one_shot import OneShotAllReduce
+
 _RANK, _SIZE = 0, 1
 _EP_SIZE = 1  # expert-parallel size: divides the TP size (SGLang's --ep convention)
+_GROUP = False  # a process group exists: the collectives run
+_CPU_GROUP = None  # gloo group for the command stream (the default group under gloo)
+_ONE_SHOT: OneShotAllReduce | None = None
 
 
-def init_tp(rank: int, size: int, backend: str, init_method: str, timeout_s: float = 300) -> None:
+def init_tp(rank: int, size: int, backend: str, init_method: str, timeout_s: float = 300,
+            device: torch.device | None = None) -> None:
     """Join the TP group (one process per rank). `init_method` is a torch.distributed URL:
-    tcp://host:port, or env:// under torchrun."""
-    global _RANK, _SIZE
+    tcp://host:port, or env:// under torchrun. Under NCCL, `device` (this rank's GPU) gets
+    the one-shot all-reduce, used for the message sizes where it beat NCCL here."""
+    global _RANK, _SIZE, _GROUP, _CPU_GROUP, _ONE_SHOT
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    _RANK, _SIZE = rank, size
+                            timeout=timeout)
+    _RANK, _SIZE, _GROUP = rank, size, True
+    _CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    if backend == "nccl" and device is not None:
+        _ONE_SHOT = OneShotAllReduce.start(device)
 
 
 def destroy_tp() -> None:
-    global _RANK, _SIZE, _EP_SIZE
+    global _RANK, _SIZE, _EP_SIZE, _GROUP, _CPU_GROUP, _ONE_SHOT
     if dist.is_initialized():
         dist.destroy_process_group()
-    _RANK, _SIZE, _EP_SIZE = 0, 1, 1
-_EP_SIZE = 1  # expert-parallel size: divides the TP size (SGLang's --ep convention)
+    _RANK, _SIZE, _EP_SIZE, _GROUP, _CPU_GROUP, _ONE_SHOT = 0, 1, 1, False, None, None
+
+
+def tp_group_active() -> bool:
+    """A process group exists (TP > 1, or a group of one testing the collectives)."""
+    return _GROUP
+
+
+def one_shot_all_reduce() -> OneShotAllReduce | None:
+    """The one-shot all-reduce of this rank (NCCL groups that could set it up), or None."""
+    return _ONE_SHOT
 
 
 def set_ep_size(ep: int) -> None:
@@ -65,39 +90,52 @@ def get_tp_size() -> int:
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum partial results of row-parallel layers across the TP group."""
-    if _SIZE == 1:
+    """Sum partial results of row-parallel layers across the TP group, in place."""
+    if not _GROUP:
         return x
+    if _ONE_SHOT is not None and _ONE_SHOT.takes(x):
+        return _ONE_SHOT.all_reduce(x)
     dist.all_reduce(x)
     return x
 
 
 def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
     """[*shape] on every rank -> [tp, *shape] (rank order)."""
-    parts = [torch.empty_like(x) for _ in range(_SIZE)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.stack(parts)
+    out = x.new_empty(_SIZE * x.numel())
+    dist.all_gather_into_tensor(out, x.contiguous().view(-1))
+    return out.view(_SIZE, *x.shape)
 
 
 def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate the ranks' slices (e.g. vocab shards of the LM head) along the last dim."""
-    if _SIZE == 1:
+    if not _GROUP:
         return x
     return torch.cat(list(tp_all_gather(x)), dim=-1)
 
 
-def tp_broadcast_object(obj=None):
-    """Rank 0's `obj` on every rank (the driver's per-step commands); `obj` without a group."""
-    if _SIZE == 1:
+def tp_broadcast_object(obj=None, usual=None):
+    """Rank 0's `obj` on every rank (the driver's per-step commands), over the CPU group; `obj`
+    without a group. When rank 0's `obj == usual` (a step with nothing new) only an 8-byte
+    header travels and the other ranks return their own `usual`."""
+    if not _GROUP:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    header = torch.zeros(1, dtype=torch.int64)
+    data = b""
+    if _RANK == 0 and obj != usual:
+        data = pickle.dumps(obj)
+        header[0] = len(data)
+    dist.broadcast(header, src=0, group=_CPU_GROUP)
+    if header[0] == 0:
+        return usual
+    payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if _RANK == 0
+               else torch.empty(int(header[0]), dtype=torch.uint8))
+    dist.broadcast(payload, src=0, group=_CPU_GROUP)
+    return obj if _RANK == 0 else pickle.loads(payload.numpy().tobytes())
 
 
 def tp_min(value: int, device: torch.device) -> int:
     """The smallest of the ranks' `value`s (e.g. KV pages, so all ranks schedule alike)."""
-    if _SIZE == 1:
+    if not _GROUP:
         return value
     t = torch.tensor([value], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)

@@ -13,9 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from flashtree.distributed import destroy_tp, init_tp, tp_broadcast_object
+
+_STEP = [("step",)]  # the usual command list: one step, nothing added or aborted
 
 
 class TPGroupStopped(RuntimeError):
@@ -52,13 +55,14 @@ class TPGroup:
         `build_engine(engine_kwargs)` (a module-level function: it is pickled to spawned
         ranks). On torchrun ranks > 0 this serves rank 0 and exits when rank 0 shuts down."""
         backend = "nccl" if device_type == "cuda" else "gloo"
+        device = torch.device("cuda", 0) if backend == "nccl" else None
         if under_torchrun(size):
             rank = int(os.environ["RANK"])
             if rank > 0:
                 local = int(os.environ.get("LOCAL_RANK", rank))
                 _worker_main(rank, local, size, backend, "env://", build_engine, engine_kwargs)
                 sys.exit(0)
-            init_tp(0, size, backend, "env://")
+            init_tp(0, size, backend, "env://", device=device)
             return TPGroup(size)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
@@ -69,7 +73,7 @@ class TPGroup:
             p.start()
         group = TPGroup(size, procs)
         try:
-            init_tp(0, size, backend, init_method)
+            init_tp(0, size, backend, init_method, device=device)
         except Exception as e:
             group.stop(e)
         return group
@@ -89,7 +93,7 @@ class TPGroup:
             raise TPGroupStopped("the tensor-parallel group is stopped")
         self.raise_if_dead()
         try:
-            tp_broadcast_object(ops)
+            tp_broadcast_object(ops, usual=_STEP)
         except Exception as e:
             self.stop(e)
 
@@ -137,7 +141,7 @@ class TPDriverEngine:
         self._ops.append(("abort", seq.seq_id))
 
     def step(self):
-        ops, self._ops = [*self._ops, ("step",)], []
+        ops, self._ops = [*self._ops, *_STEP], []
         self._group.send(ops)
         try:
             return self._engine.step()
@@ -152,7 +156,7 @@ def serve_steps(engine) -> None:
     """A worker's loop: replay rank 0's commands until it shuts down."""
     seqs: dict = {}
     while True:
-        for op in tp_broadcast_object():
+        for op in tp_broadcast_object(usual=_STEP):
             kind = op[0]
             if kind == "add":
                 seq = engine.add_request(op[1], op[2])
@@ -171,13 +175,13 @@ def serve_steps(engine) -> None:
 def _worker_main(rank: int, local: int, size: int, backend: str, init_method: str,
                  build_engine: Callable[[dict], Any], engine_kwargs: dict) -> None:
     """A worker rank; `local` is its index on its own node (its GPU under NCCL)."""
-    import torch
-
     kwargs = dict(engine_kwargs)
+    device = None
     if backend == "nccl":
-        torch.cuda.set_device(local)
-        kwargs["device"] = f"cuda:{local}"
-    init_tp(rank, size, backend, init_method)
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        kwargs["device"] = str(device)
+    init_tp(rank, size, backend, init_method, device=device)
     try:
         serve_steps(build_engine(kwargs))
     finally:

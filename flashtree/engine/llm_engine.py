@@ -10,7 +10,7 @@ import time
 import torch
 
 from flashtree.config import EngineConfig, ModelConfig, SpecConfig
-from flashtree.distributed import get_tp_size, tp_min
+from flashtree.distributed import tp_min
 from flashtree.distributed.vocab import vocab_argmax
 from flashtree.engine.scheduler import ScheduledChunk, Scheduler, step_kind
 from flashtree.graphs.runner import batch_buckets
@@ -100,10 +100,10 @@ class LLMEngine:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        """Decode, short prompt chunks, draft and verify replay CUDA graphs: on CUDA, unless
-        `enforce_eager`, for single-process models."""
-        return (self.args.device.type == "cuda" and not self.args.enforce_eager
-                and get_tp_size() == 1)
+        """Decode, short prompt chunks, draft and verify replay CUDA graphs on CUDA, unless
+        `enforce_eager`; under tensor parallelism every rank captures the same graphs, with
+        their collectives inside, and replays them in the same order."""
+        return self.args.device.type == "cuda" and not self.args.enforce_eager
 
     def _capture_graphs(self, spec: SpecConfig | None) -> None:
         """Capture decode (1 token per request), short prompt chunks and, with a drafter, the

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from flashtree.distributed import get_tp_size, tp_broadcast_object
+from flashtree.distributed import tp_broadcast_object, tp_group_active
 
 _TIMED_STEPS = 16  # recent step times per kind and bucket; their median is the step's time
 _MIN_TIMED = 4  # timed steps of each kind before a verdict
@@ -98,7 +98,7 @@ class AdaptivePolicy:
         self.buckets: dict[int, _Bucket] = {}
         self._last_speculative: bool | None = None
         # Step times differ between tensor-parallel ranks: rank 0 decides for all of them.
-        self._broadcast = get_tp_size() > 1
+        self._broadcast = tp_group_active()
 
     def at(self, requests: int) -> _Bucket:
         key = batch_bucket(requests)
@@ -125,7 +125,7 @@ class AdaptivePolicy:
         bucket = self.at(requests)
         speculate = bucket.plain_left == 0
         if self._broadcast:
-            speculate = tp_broadcast_object(speculate)
+            speculate = tp_broadcast_object(speculate, usual=True)
         if not speculate:
             bucket.plain_left = max(0, bucket.plain_left - 1)
         return self.budget if speculate else 0
