@@ -1,7 +1,8 @@
 """Multi-GPU layouts of a MoE target (random weights, Qwen3-30B-A3B-shaped by default, or
 DeepSeek-V3-shaped with `--shape deepseek-v3`, depth set by `--layers`): decode tokens/s per
 concurrency, plain and with DDTree over a random drafter; the verify forward's time per tree
-budget; all-reduce and all-to-all latency at the model's message sizes.
+budget; each layout's greedy tokens against the first layout's; all-reduce and all-to-all
+latency at the model's message sizes.
 
     python benchmarks/multigpu_bench.py --out benchmarks/results/2026-11-30-multigpu.md
 
@@ -36,7 +37,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.tp_bench import COMMON, fill_and_save, free, make_drafter, step_times  # noqa: E402
-from flashtree import LLM  # noqa: E402
+from flashtree import LLM, SamplingParams  # noqa: E402
 from flashtree.runner.forward_batch import Mode  # noqa: E402
 
 # family, target config, default depth, DFlash drafter (dense Qwen3) config
@@ -177,13 +178,22 @@ def timing_verify(llm: LLM) -> list[float]:
     return times
 
 
-def run_layout(args, layout: str, target: Path, drafter: Path, vocab: int) -> tuple[list, list]:
-    """Decode rows (spec, concurrency, ms/step, tokens/step/request, tokens/s) and verify rows
-    (tree budget, verify ms, step ms) of one layout."""
+def greedy_tokens(llm: LLM, vocab: int) -> list[list[int]]:
+    """32 greedy tokens for each of 4 seeded random prompts (layouts compare these)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab - 1, (n,), generator=gen).tolist() for n in (5, 33, 100, 17)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def run_layout(args, layout: str, target: Path, drafter: Path, vocab: int
+               ) -> tuple[list, list, list]:
+    """Decode rows (spec, concurrency, ms/step, tokens/step/request, tokens/s), verify rows
+    (tree budget, verify ms, step ms) and plain greedy tokens of one layout."""
     tp, ep = parse_layout(layout)
     ctx_len = args.ctx + args.steps * 20 + 50 + max(args.tree_sizes) + 64
     runs = [("none", None), ("ddtree", None)] + [("ddtree", b) for b in args.tree_sizes]
-    decode, verify = [], []
+    decode, verify, tokens = [], [], []
     for spec, budget in runs:
         kw = {} if spec == "none" else dict(draft=str(drafter), spec=spec, spec_policy="fixed",
                                             tree_budget=budget)
@@ -192,6 +202,8 @@ def run_layout(args, layout: str, target: Path, drafter: Path, vocab: int) -> tu
                   skip_tokenizer_init=True, max_model_len=ctx_len, max_num_seqs=max(conc),
                   tensor_parallel_size=tp, expert_parallel_size=ep, **kw)
         try:
+            if spec == "none":
+                tokens = greedy_tokens(llm, vocab)
             for c in conc:
                 times = timing_verify(llm) if budget is not None else []
                 ms, per_req = step_times(llm, c, args.ctx, args.steps, vocab)
@@ -203,7 +215,23 @@ def run_layout(args, layout: str, target: Path, drafter: Path, vocab: int) -> tu
                       flush=True)
         finally:
             free(llm)
-    return decode, verify
+    return decode, verify, tokens
+
+
+def equality_table(tokens: dict[str, list[list[int]]]) -> list[str]:
+    """Each layout's greedy tokens against the first layout's (bf16 layouts sum in different
+    orders, so a divergence at a near-tie is expected; the index says where)."""
+    if len(tokens) < 2:
+        return []
+    first, *others = tokens
+    lines = ["", f"## Greedy tokens against {first} (4 prompts, 32 tokens, plain decoding)", "",
+             "| layout | requests equal | first divergences: request @ index |", "|---|---:|---|"]
+    for name in others:
+        diverged = [f"{r} @ {next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), 32)}"
+                    for r, (a, b) in enumerate(zip(tokens[first], tokens[name])) if a != b]
+        same = len(tokens[first]) - len(diverged)
+        lines.append(f"| {name} | {same}/{len(tokens[first])} | {', '.join(diverged) or '-'} |")
+    return lines
 
 
 def main() -> int:
@@ -254,11 +282,11 @@ def main() -> int:
     block = 8 if args.shape == "tiny" else 16
     drafter = make_drafter(work / f"{args.shape}-{layers}-drafter", target, draft_cfg,
                            args.draft_layers, block, gen_dev)
-    decode, verify = {}, {}
+    decode, verify, tokens = {}, {}, {}
     for name in runnable:
         try:
-            decode[name], verify[name] = run_layout(args, name, target, drafter,
-                                                    cfg["vocab_size"])
+            decode[name], verify[name], tokens[name] = run_layout(args, name, target, drafter,
+                                                                  cfg["vocab_size"])
         except Exception:  # noqa: BLE001 - the report says what failed; other layouts run
             report += ["", f"{name} failed:", "```", traceback.format_exc(), "```"]
     report += ["", f"## Decode, context {args.ctx}, median of {args.steps} engine steps "
@@ -276,6 +304,7 @@ def main() -> int:
                "|---|---:|---:|---:|---:|"]
     for name, rows in verify.items():
         report += [f"| {name} | {b} | {c} | {v:.2f} | {ms:.2f} |" for b, c, v, ms in rows]
+    report += equality_table(tokens)
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     report += ["", f"## Collectives, mean us over {args.comm_iters} calls on rank 0 "
                f"(message: hidden {cfg['hidden_size']} x tokens x {elem} bytes)", "",

@@ -28,21 +28,27 @@ class OneShotAllReduce:
     latency_us: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @staticmethod
-    def start(device: torch.device) -> OneShotAllReduce | None:
-        """Set up on every rank of the default NCCL group and calibrate (a collective call);
-        None, with a warning saying why, where peer memory cannot be mapped."""
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
+    def allocate(device: torch.device) -> OneShotAllReduce:
+        """Map every rank's buffer of the default group (a collective call); takes nothing
+        until calibrated or given a `max_bytes`."""
+        import torch.distributed._symmetric_memory as symm_mem
 
-            buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
-            group_name = dist.group.WORLD.group_name
-            symm_mem.rendezvous(buffer, group_name)
+        buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
+        group_name = dist.group.WORLD.group_name
+        symm_mem.rendezvous(buffer, group_name)
+        return OneShotAllReduce(buffer, group_name)
+
+    @staticmethod
+    def start(device: torch.device) -> OneShotAllReduce | None:
+        """Allocate and calibrate on every rank of the default NCCL group; None, with a
+        warning saying why, where peer memory cannot be mapped."""
+        try:
+            one_shot = OneShotAllReduce.allocate(device)
+            one_shot.calibrate()  # fails alike on every rank (e.g. a world size it lacks)
         except (ImportError, RuntimeError) as e:
             warnings.warn(f"one-shot all-reduce unavailable ({e}); every all-reduce uses NCCL",
                           stacklevel=2)
             return None
-        one_shot = OneShotAllReduce(buffer, group_name)
-        one_shot.calibrate()
         return one_shot
 
     def takes(self, x: torch.Tensor) -> bool:

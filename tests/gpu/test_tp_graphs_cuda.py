@@ -30,10 +30,13 @@ def group_of_one():
 
 def test_one_shot_all_reduce_is_calibrated_and_replays_in_a_graph(group_of_one):
     one_shot = one_shot_all_reduce()
-    assert one_shot is not None and one_shot.latency_us
-    assert one_shot.max_bytes >= 8192  # a batch-1 decode all-reduce of a 4096-wide model
+    assert one_shot is not None
+    assert sorted(one_shot.latency_us) == [1 << k for k in range(10, 24)]
+    assert all(a > 0 and b > 0 for a, b in one_shot.latency_us.values())
+    one_shot.max_bytes = 1 << 20  # a group of one measures nothing worth choosing by
     x = torch.randn(4096, dtype=torch.bfloat16, device=group_of_one)
     assert one_shot.takes(x) and not one_shot.takes(x[1:])  # misaligned: NCCL takes it
+    assert not one_shot.takes(torch.empty(1 << 20, dtype=torch.float32, device=x.device))
     graph, _ = capture_graph(lambda: one_shot.all_reduce(x), group_of_one)
     want = torch.randn_like(x)
     x.copy_(want)
@@ -64,3 +67,4 @@ def test_group_of_one_graphs_equal_eager_and_no_group(small_pair, spec):
     finally:
         destroy_tp()
     assert graphed == eager == want
+
