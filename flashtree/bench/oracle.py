@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from flashtree.distributed import get_tp_size
+from flashtree.distributed import tp_all_gather, tp_all_gather_last_dim, tp_group_active
+from flashtree.distributed.tp import TPDriverEngine
 from flashtree.llm import LLM
 from flashtree.speculative.policy import FixedPolicy
 from flashtree.speculative.tree import build_trees_from_topk, topk_logprobs
@@ -21,23 +22,32 @@ from flashtree.transfer import lists_to_device, to_device
 
 
 def rank_targets(logits: torch.Tensor, targets: torch.Tensor, ranks: torch.Tensor,
-                 confidence: float = 0.0) -> None:
+                 confidence: float = 0.0, vocab_start: int | None = None) -> None:
     """In place: row i's `targets[i]` becomes its top-1 (`ranks[i]` 1), its top-2 (2) or its
     lowest logit (0); rows whose target is -1 stay as they are. A top-1 target holds at least
     `confidence` of its row's probability (a drafter as sure of its right guesses as it is
     right: DDTree's tree follows these probabilities). logits [N, V]; targets, ranks [N] int64
-    on the logits' device. Device ops only: no host sync inside a draft step."""
-    token = targets.clamp_min(0)[:, None]
-    rest = logits.scatter(1, token, float("-inf"))
-    others = rest.topk(2, dim=1).values  # [N, 2]
+    on the logits' device. With `vocab_start`, logits are this TP rank's vocab slice from
+    that id on: the row statistics come from every rank's slice, and the rank holding a
+    target rewrites it. Device ops only: no host sync inside a draft step."""
+    start = vocab_start or 0
+    local = targets - start
+    owned = (targets >= 0) & (local >= 0) & (local < logits.shape[1])
+    token = local.clamp(0, logits.shape[1] - 1)[:, None]
+    kept = logits.gather(1, token)[:, 0]
+    rest = logits.scatter(1, token, torch.where(owned, float("-inf"), kept)[:, None])
+    others = rest.topk(min(2, rest.shape[1]), dim=1).values  # [N, 2]
+    lse, lowest = torch.logsumexp(rest, dim=1), logits.min(dim=1).values
+    if vocab_start is not None:
+        others = tp_all_gather_last_dim(others).topk(2, dim=1).values
+        lse = torch.logsumexp(tp_all_gather(lse), dim=0)
+        lowest = tp_all_gather(lowest).amin(dim=0)
     sure_share = min(confidence, 0.999)
     odds = math.log(sure_share / (1 - sure_share)) if confidence else 0
-    sure = torch.logsumexp(rest, dim=1) + odds  # the target's logit at that share of the mass
+    sure = lse + odds  # the target's logit at that share of the mass
     value = torch.where(ranks == 1, torch.maximum(others[:, 0] + 1, sure),
-                        torch.where(ranks == 2, (others[:, 0] + others[:, 1]) / 2,
-                                    logits.min(dim=1).values - 1))
-    value = torch.where(targets >= 0, value, logits.gather(1, token)[:, 0])  # -1: unchanged
-    logits.scatter_(1, token, value[:, None])
+                        torch.where(ranks == 2, (others[:, 0] + others[:, 1]) / 2, lowest - 1))
+    logits.scatter_(1, token, torch.where(owned, value, kept)[:, None])  # -1: unchanged
 
 
 class AcceptanceOracle:
@@ -45,13 +55,18 @@ class AcceptanceOracle:
 
     def __init__(self, llm: LLM, references: dict[tuple[int, ...], list[int]], p: float,
                  q: float = 0.0, seed: int = 0) -> None:
+        """Under tensor parallelism every rank's drafter is wrapped alike, with the same
+        seeded draws (the rates are fixed then: changing `p` or `q` later changes rank 0's)."""
         if not (0 <= p <= 1 and 0 <= q <= 1):
             raise ValueError(f"oracle rates must lie in [0, 1], got p={p}, q={q}")
-        if get_tp_size() > 1:
-            raise ValueError("the acceptance oracle needs a single-process engine (no TP)")
-        engine = llm.engine
-        if engine.proposer is None:
+        if llm.engine.proposer is None:
             raise ValueError("the acceptance oracle needs a speculative LLM (spec dflash/ddtree)")
+        if isinstance(llm.engine, TPDriverEngine):
+            llm.engine.call_on_workers(_attach_on_worker, references, p, q, seed)
+        self._attach(llm.engine, references, p, q, seed)
+
+    def _attach(self, engine, references: dict[tuple[int, ...], list[int]], p: float,
+                q: float, seed: int) -> None:
         self.engine, self.references, self.p, self.q = engine, references, p, q
         self.generator = torch.Generator(engine.args.device).manual_seed(seed)
         proposer = self.proposer = engine.proposer
@@ -67,7 +82,7 @@ class AcceptanceOracle:
         ahead = self._draft_ahead(seq_ids, starts, advance, bonus, most, gather)
         if ahead is not None:
             self._rewrite(ahead.logits, seq_ids, ahead.first,
-                          [self.proposer.block_size] * len(seq_ids))
+                          [self.proposer.block_size] * len(seq_ids), gather)
         return ahead
 
     def _rewritten_draft_logits(self, blocks: list[tuple[int, int, int, int]],
@@ -78,14 +93,15 @@ class AcceptanceOracle:
         logits = self._draft_logits(blocks, gather)
         seq_ids, starts, _, sizes = zip(*blocks)
         self._rewrite(logits, list(seq_ids), to_device(list(starts), logits.device),
-                      list(sizes))
+                      list(sizes), gather)
         return logits
 
     def _rewrite(self, logits: torch.Tensor, seq_ids: list[int], first: torch.Tensor,
-                 sizes: list[int]) -> None:
-        """Rank the reference tokens in `logits` (blocks packed, slots 1..size-1 of each) at
-        the oracle's rates; `first`: each block's bonus position, on the device. Slot j
-        predicts the token at first + j. Device ops only."""
+                 sizes: list[int], gather: bool) -> None:
+        """Rank the reference tokens in `logits` (blocks packed, slots 1..size-1 of each; this
+        TP rank's vocab slice unless `gather`) at the oracle's rates; `first`: each block's
+        bonus position, on the device. Slot j predicts the token at first + j. Device ops
+        only."""
         device = logits.device
         references = torch.nn.utils.rnn.pad_sequence(  # [R, L]
             [self._device_reference(i) for i in seq_ids], batch_first=True, padding_value=-1)
@@ -93,8 +109,10 @@ class AcceptanceOracle:
                                        [j for size in sizes for j in range(1, size)]], device)
         where = (first[rows] + slots).clamp(max=references.shape[1] - 1)
         ranks = oracle_ranks(rows.shape[0], self.p, self.q, self.generator)
+        sliced = not gather and tp_group_active()
         with torch.inference_mode():  # the drafter's logits are inference tensors
-            rank_targets(logits, references[rows, where], ranks, self.p)
+            rank_targets(logits, references[rows, where], ranks, self.p,
+                         self.engine.runner.model.lm_head.vocab_start if sliced else None)
 
     def _device_reference(self, seq_id: int) -> torch.Tensor:
         """A running request's reference tokens on the device, padded with -1 past its end by
@@ -112,12 +130,30 @@ def plain_references(llm: LLM, prompts: list[list[int]], params) -> dict[tuple[i
     """Each prompt's greedy plain continuation, as prompt + output tokens, decoded by `llm`'s
     own engine with speculation switched off for the run."""
     engine = llm.engine
+    tp = isinstance(engine, TPDriverEngine)
     policy, engine.policy = engine.policy, FixedPolicy(0)
+    if tp:
+        engine.call_on_workers(_swap_policy, FixedPolicy(0))
     try:
         outs = llm.generate(prompts, params)
     finally:
         engine.policy = policy
+        if tp:
+            engine.call_on_workers(_swap_policy, None)
     return {tuple(p): list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
+
+
+def _attach_on_worker(engine, references: dict, p: float, q: float, seed: int) -> None:
+    """A TP worker's oracle (kept alive by the drafter methods it wraps)."""
+    AcceptanceOracle.__new__(AcceptanceOracle)._attach(engine, references, p, q, seed)
+
+
+def _swap_policy(engine, policy: FixedPolicy | None) -> None:
+    """On a TP worker: use `policy`, keeping the engine's own; None puts that one back."""
+    if policy is not None:
+        engine.kept_policy, engine.policy = engine.policy, policy
+    else:
+        engine.policy = engine.kept_policy
 
 
 def oracle_ranks(count: int, p: float, q: float, generator: torch.Generator) -> torch.Tensor:

@@ -140,6 +140,12 @@ class TPDriverEngine:
         self._engine.abort(seq)
         self._ops.append(("abort", seq.seq_id))
 
+    def call_on_workers(self, fn: Callable, *args) -> None:
+        """Run `fn(engine, *args)` on every other rank's engine now, between steps (a
+        module-level function: it is pickled), e.g. to wrap their drafters as rank 0's is."""
+        ops, self._ops = [*self._ops, ("call", fn, args)], []
+        self._group.send(ops)
+
     def step(self):
         ops, self._ops = [*self._ops, *_STEP], []
         self._group.send(ops)
@@ -150,6 +156,13 @@ class TPDriverEngine:
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        # Public attributes are the local engine's (e.g. `policy`), as reads are.
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._engine, name, value)
 
 
 def serve_steps(engine) -> None:
@@ -165,6 +178,8 @@ def serve_steps(engine) -> None:
                 seq = seqs.pop(op[1], None)
                 if seq is not None:
                     engine.abort(seq)
+            elif kind == "call":
+                op[1](engine, *op[2])
             elif kind == "step":
                 engine.step()  # an error here ends this worker; rank 0 reports its rank
                 seqs = {i: s for i, s in seqs.items() if not s.is_finished}

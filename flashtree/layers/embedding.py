@@ -58,3 +58,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if not gather:
             return local[..., : self.vocab_end - self.vocab_start]
         return tp_all_gather_last_dim(local)[..., : self.vocab_size]
+
+    def vocab_slice(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of whole-vocabulary logits (what a captured graph returns)."""
+        return logits[..., self.vocab_start : self.vocab_end]

@@ -69,7 +69,8 @@ class ModelRunner:
         self.last_batch = batch
         replayed = self._replay(batch)
         if replayed is not None:
-            return replayed
+            logits, features = replayed
+            return (logits if gather_logits else self.model.lm_head.vocab_slice(logits)), features
         self.backend.begin_forward(batch.attn)
         hidden, captured = self.model(
             batch.input_ids, batch.positions, self.backend, self.capture_layers
@@ -79,7 +80,8 @@ class ModelRunner:
 
     def _replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The captured graph's outputs for `batch` (copies: the static outputs are overwritten
-        by the next replay), or None when no graph holds it. Graphs gather the whole vocab."""
+        by the next replay), or None when no graph holds it. Graphs gather the whole vocab
+        (`forward` slices a TP rank's part where the caller asked for it)."""
         if self.graphs is None:
             return None
         if batch.mode == Mode.PREFILL and batch.logit_rows.shape[0] > batch.attn.num_seqs:

@@ -254,7 +254,8 @@ class DFlashProposer:
         key = None if graphs is None else graphs.bucket(GraphMode.DRAFT, requests, block)
         if graphs is not None and key is not None:
             # The graph gathers the whole vocab; its outputs are static buffers (copied here).
-            return graphs.replay(key, requests, graph_inputs(build()))[keep_rows]
+            logits = graphs.replay(key, requests, graph_inputs(build()))[keep_rows]
+            return logits if gather else self.target.lm_head.vocab_slice(logits)
         batch = None
         for (causal, window), backend in self._backends.items():
             batch = build(causal, window)

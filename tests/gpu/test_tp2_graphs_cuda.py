@@ -1,8 +1,8 @@
 """Tensor parallelism over two GPUs (NCCL): TP=2 replaying CUDA graphs, with its all-reduces
-one-shot or NCCL as the group measured, returns TP=2 eager's and TP=1's tokens (float32, a
-decisive tiny model), for plain, DFlash and DDTree decoding, greedy and seeded sampling; the
-one-shot all-reduce sums two GPUs' parts, eager and in a graph. Skips with fewer than two
-GPUs."""
+one-shot or NCCL as the group measured, returns TP=2 eager's and TP=1's tokens and per-step
+acceptance (float32, a decisive tiny model), for plain, DFlash and DDTree decoding, greedy and
+seeded sampling; the one-shot all-reduce sums two GPUs' parts, eager and in a graph. Skips with
+fewer than two GPUs."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ def test_tp2_graphs_equal_tp2_eager_and_tp1(small_pair, spec):
                   {"tensor_parallel_size": 2, "enforce_eager": True}, {}):
         llm = LLM(**kw, **extra)
         try:
-            results.append([[o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, p)]
-                            for p in params])
+            # Per-step acceptance too: a draft's top-k over the wrong vocab slice still
+            # commits the right tokens (verification is exact) but accepts fewer of them.
+            results.append([[(o.outputs[0].token_ids, o.outputs[0].spec_accept_lengths)
+                             for o in llm.generate(TINY_PROMPTS, p)] for p in params])
         finally:
             llm.shutdown()
     graphed, eager, one = results
