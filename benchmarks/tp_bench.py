@@ -2,8 +2,9 @@
 against TP=1 tokens in bf16 for spec none / dflash / ddtree (greedy and seeded sampling; each
 divergence reported with TP=1's top-2 logit gap there); TP1 vs TP2 (graphs, and eager) decode
 step time on a Qwen3-8B-shaped target with a 5-layer Qwen3-8B-shaped DFlash drafter (random
-weights), AR and DDTree; and the TP2 group's all-reduce latency per message size, NCCL against
-the one-shot kernel, as the group measured it when it started. Writes a JSON beside the report.
+weights), AR and DDTree; the TP2 group's all-reduce latency per message size, NCCL against the
+one-shot kernel, as the group measured it when it started; and DDTree end to end with the
+acceptance oracle against plain decoding on TP1 and TP2. Writes a JSON beside the report.
 
     python benchmarks/tp_bench.py --out benchmarks/results/<date>-tp-gpu.md
 
@@ -26,11 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashtree import LLM, SamplingParams  # noqa: E402
+from flashtree.bench.oracle import AcceptanceOracle, plain_references  # noqa: E402
 from flashtree.bench.random_pair import QWEN3_8B, TINY  # noqa: E402
 from flashtree.distributed import one_shot_all_reduce  # noqa: E402
 from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
 
-RESULTS: dict = {"equality": [], "divergences": [], "steps": []}  # the JSON beside the report
+# The JSON beside the report.
+RESULTS: dict = {"equality": [], "divergences": [], "steps": [], "oracle": []}
 COMMON = dict(tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
               rms_norm_eps=1e-6)
 
@@ -222,6 +225,50 @@ def bench(args, target: Path, drafter: Path) -> list[str]:
     return lines
 
 
+def oracle_runs(args, target: Path, drafter: Path) -> list[str]:
+    """End to end at real acceptance: DDTree with the acceptance oracle against plain
+    decoding, on TP1 and TP2, at each `--oracle-concurrency` (tokens/s of whole generate
+    calls, prefill included; all prompts of one call arrive together)."""
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(1)
+    most = max(args.oracle_concurrency)
+    prompts = [torch.randint(0, vocab - 1, (args.ctx,), generator=gen).tolist()
+               for _ in range(most)]
+    params = SamplingParams(temperature=0, max_tokens=args.oracle_tokens, ignore_eos=True)
+    p, q = args.oracle
+    rows = {}
+    for tp in (1, 2):
+        for spec in ("none", "ddtree"):
+            kw = {} if spec == "none" else dict(draft=str(drafter), spec=spec,
+                                                spec_policy="fixed")
+            llm = LLM(model=str(target), device=args.device, dtype=args.dtype,
+                      skip_tokenizer_init=True, max_model_len=args.ctx + args.oracle_tokens + 64,
+                      max_num_seqs=most, tensor_parallel_size=tp, **kw)
+            if spec == "ddtree":
+                AcceptanceOracle(llm, plain_references(llm, prompts, params), p, q, seed=0)
+            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+            for c in args.oracle_concurrency:
+                start = time.perf_counter()
+                outs = llm.generate(prompts[:c], params)
+                seconds = time.perf_counter() - start
+                steps = [n for o in outs for n in o.outputs[0].spec_accept_lengths]
+                rows[tp, spec, c] = (c * args.oracle_tokens / seconds,
+                                     sum(steps) / max(len(steps), 1))
+                print(f"oracle tp{tp} {spec} concurrency {c}: {rows[tp, spec, c][0]:.1f} "
+                      "tokens/s", flush=True)
+            free(llm)
+    lines = ["| TP | concurrency | none tokens/s | DDTree tokens/s | DDTree / none | "
+             "tokens per step |", "|---:|---:|---:|---:|---:|---:|"]
+    for tp in (1, 2):
+        for c in args.oracle_concurrency:
+            (none, _), (tree, tau) = rows[tp, "none", c], rows[tp, "ddtree", c]
+            RESULTS["oracle"].append(dict(tp=tp, concurrency=c, none_tokens_s=none,
+                                          ddtree_tokens_s=tree, tau=tau, p=p, q=q))
+            lines.append(f"| {tp} | {c} | {none:.1f} | {tree:.1f} | {tree / none:.2f} | "
+                         f"{tau:.2f} |")
+    return lines
+
+
 def record_all_reduce_latency() -> None:
     """The running TP group's calibration: NCCL and one-shot us per message size (slowest
     rank), and the largest message the group sends one-shot."""
@@ -254,7 +301,13 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["equality", "bench"])
+    ap.add_argument("--oracle", type=lambda t: tuple(float(v) for v in t.split(",")),
+                    default=(0.863, 0.5), metavar="P,Q",
+                    help="oracle rates: the drafter's top-1 is right with P (0.863: tau 6.6 "
+                         "for a block-16 chain, the DFlash paper's), its top-2 with Q of the rest")
+    ap.add_argument("--oracle-concurrency", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--oracle-tokens", type=int, default=256)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["equality", "bench", "oracle"])
     args = ap.parse_args()
     shape = QWEN3_8B if args.shape == "qwen3-8b" else TINY
     work = Path(args.work)
@@ -288,6 +341,16 @@ def main() -> int:
             report += [*bench(args, target, drafter), ""]
             report += ["## All-reduce latency in the TP2 group (bf16, replayed from a CUDA graph "
                        "of 20 calls, slowest rank)", "", *all_reduce_table()]
+        except Exception:  # noqa: BLE001
+            report += ["```", traceback.format_exc(), "```", ""]
+    if "oracle" not in args.skip:
+        report += [f"## DDTree end to end with the acceptance oracle (P {args.oracle[0]}, Q "
+                   f"{args.oracle[1]}; budget 15, block 16; context {args.ctx}, "
+                   f"{args.oracle_tokens} new tokens per request)", ""]
+        try:
+            target = make_target(work / "target", shape, shape["num_hidden_layers"], gen_dev)
+            drafter = make_drafter(work / "drafter", target, shape, 5, 16, gen_dev)
+            report += [*oracle_runs(args, target, drafter), ""]
         except Exception:  # noqa: BLE001
             report += ["```", traceback.format_exc(), "```", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
