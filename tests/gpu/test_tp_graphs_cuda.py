@@ -1,8 +1,7 @@
 """The tensor-parallel code path on one GPU: a group of one NCCL process runs every collective
-(NCCL all-gathers, and all-reduces through the one-shot kernel where it measured faster),
-captured inside the CUDA graphs; its tokens equal the eager engine's in the same group and the
-engine's without a group, for plain, DFlash and DDTree decoding, greedy and seeded sampling.
-Skips without CUDA."""
+(NCCL all-gathers, all-reduces through the one-shot kernel), captured inside the CUDA graphs;
+its tokens equal the eager engine's in the same group and the engine's without a group, for
+plain, DFlash and DDTree decoding, greedy and seeded sampling. Skips without CUDA."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.distributed import destroy_tp, init_tp, one_shot_all_reduce
+from flashtree.distributed.one_shot import BUFFER_BYTES
 from flashtree.graphs.runner import capture_graph
 from tests.server.conftest import _free_port
 from tests.tiny import TINY_PROMPTS
@@ -63,6 +63,8 @@ def test_group_of_one_graphs_equal_eager_and_no_group(small_pair, spec):
     want = tokens()
     init_tp(0, 1, "nccl", f"tcp://127.0.0.1:{_free_port()}", device=torch.device("cuda", 0))
     try:
+        # One rank measures NCCL as free; send every all-reduce one-shot to test it in graphs.
+        one_shot_all_reduce().max_bytes = BUFFER_BYTES
         graphed, eager = tokens(), tokens(enforce_eager=True)
     finally:
         destroy_tp()
