@@ -3,6 +3,7 @@ the interleaved pair layout DeepSeek's MLA uses."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -102,10 +103,19 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [n, heads, head_dim]; cos, sin: [n, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    """Rotate-half RoPE, x cos + (-x2, x1) sin, taken as roll(x) times sin with its first half
+    negated: the same products bit for bit, in 5 ops instead of 9 (the CPU decode step runs it
+    per layer). x: [n, heads, head_dim]; cos, sin: [n, 1, head_dim]."""
+    xf = x.float()
+    signed_sin = sin * _half_signs(x.shape[-1], sin.device)
+    return (xf * cos + xf.roll(x.shape[-1] // 2, -1) * signed_sin).to(x.dtype)
+
+
+@functools.cache
+def _half_signs(head_dim: int, device: torch.device) -> torch.Tensor:
+    """[-1] * (head_dim / 2) + [1] * (head_dim / 2), float32."""
+    half = head_dim // 2
+    return torch.cat((-torch.ones(half), torch.ones(head_dim - half))).to(device)
 
 
 def norm_rotary(

@@ -49,18 +49,24 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RopeTables, backend: AttentionBackend) -> torch.Tensor:
         # x: [n, hidden]; rope: cos, sin [n, 1, head_dim]
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q = norm_rotary(q, *rope, self.q_norm)
         # A paged backend takes k roped straight into its cache, v beside it (drafter training's
         # block attention has no cache: it takes k and v).
         if fused_kernels_apply(k) and isinstance(backend, AttentionBackend):
+            q = norm_rotary(q, *rope, self.q_norm)
             write_rotary_kv(k, v, *rope, self.k_norm, backend, self.layer)
             out = backend.attend(self.layer, q)  # [n, heads, hd]
+        elif self.q_norm is None:  # q and k are adjacent in qkv: rope both in one pass
+            heads = self.num_heads + self.num_kv_heads
+            qk = norm_rotary(qkv[:, : heads * self.head_dim].view(n, heads, self.head_dim), *rope)
+            out = backend.forward(self.layer, qk[:, : self.num_heads], qk[:, self.num_heads :], v)
         else:
-            out = backend.forward(self.layer, q, norm_rotary(k, *rope, self.k_norm), v)
+            out = backend.forward(self.layer, norm_rotary(q, *rope, self.q_norm),
+                                  norm_rotary(k, *rope, self.k_norm), v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
