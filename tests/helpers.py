@@ -196,3 +196,16 @@ def run_benchmark(script: str, out: Path, *args: str, cwd: Path = REPO) -> dict:
                           str(out)], capture_output=True, text=True, timeout=600, cwd=cwd)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.with_suffix(".json").read_text())
+
+
+def run_ranks(fn, nprocs: int = 2) -> dict:
+    """Spawn `nprocs` processes running `fn(rank, port, out)` (a module-level function; `port`
+    free for a tcp:// group, `out` a shared dict) and return what they put in `out`."""
+    import torch.multiprocessing as mp
+
+    from tests.server.conftest import _free_port
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(fn, args=(_free_port(), out), nprocs=nprocs, join=True)
+        return dict(out)

@@ -4,10 +4,8 @@ ranks return their own `usual` object instead of an unpickled copy."""
 
 from __future__ import annotations
 
-import torch.multiprocessing as mp
-
 from flashtree.distributed import destroy_tp, init_tp, tp_broadcast_object
-from tests.server.conftest import _free_port
+from tests.helpers import run_ranks
 
 STEP = [("step",)]
 SENT = [STEP, [("add", [1, 2, 3], {"t": 0.5}), ("step",)], STEP, [("abort", 7)], STEP]
@@ -24,10 +22,6 @@ def _rank(rank: int, port: int, out: dict) -> None:
 
 
 def test_commands_reach_every_rank_and_an_unchanged_step_sends_no_payload():
-    port = _free_port()
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank, args=(port, out), nprocs=2, join=True)
-        got, own = out[1]
+    got, own = run_ranks(_rank)[1]
     assert got == SENT
     assert own == [True, False, True, False, True]

@@ -4,11 +4,10 @@ single-device results, including exact ties across the shard boundary (lowest id
 from __future__ import annotations
 
 import torch
-import torch.multiprocessing as mp
 
 from flashtree.distributed import destroy_tp, init_tp
 from flashtree.distributed.vocab import vocab_argmax, vocab_topk_logprobs
-from tests.server.conftest import _free_port
+from tests.helpers import run_ranks
 
 VOCAB, SHARD, K = 67, 34, 40  # the second slice (33 ids) is narrower than K
 
@@ -34,11 +33,7 @@ def _rank(rank: int, port: int, out: dict) -> None:
 
 
 def test_sharded_argmax_and_topk_equal_one_device():
-    port = _free_port()
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank, args=(port, out), nprocs=2, join=True)
-        results = dict(out)
+    results = run_ranks(_rank)
     x = _logits()
     want_lp, want_ids = torch.log_softmax(x.double(), dim=-1).topk(K, dim=-1)
     for rank in (0, 1):
