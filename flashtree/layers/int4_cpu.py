@@ -31,6 +31,20 @@ class Int4Weight:
         self.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
         self.scales_and_zeros = self.scales_and_zeros.bfloat16()
 
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], prefix: str) -> Int4Weight:
+        """The weight `state(prefix)` saved (the packed form, cached beside a GGUF's)."""
+        weight = cls.__new__(cls)
+        weight.packed = tensors[f"{prefix}.packed"]
+        weight.scales_and_zeros = tensors[f"{prefix}.scales_and_zeros"]
+        groups, out_features, _ = weight.scales_and_zeros.shape
+        weight.shape = (out_features, groups * GROUP)
+        return weight
+
+    def state(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.packed": self.packed,
+                f"{prefix}.scales_and_zeros": self.scales_and_zeros}
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> x W^T [..., out] in x's dtype."""
         rows = x.reshape(-1, self.shape[1]).bfloat16()
@@ -76,6 +90,17 @@ class Q8Weight:
         self.shape = tuple(codes.shape)
         self.high = Int4Weight(unsigned >> 4, 16 * scales, torch.zeros_like(scales))
         self.low = Int4Weight(unsigned & 0x0F, scales, 8 * scales)
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], prefix: str) -> Q8Weight:
+        weight = cls.__new__(cls)
+        weight.high = Int4Weight.from_state(tensors, f"{prefix}.high")
+        weight.low = Int4Weight.from_state(tensors, f"{prefix}.low")
+        weight.shape = weight.high.shape
+        return weight
+
+    def state(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {**self.high.state(f"{prefix}.high"), **self.low.state(f"{prefix}.low")}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.high.matmul(x) + self.low.matmul(x)

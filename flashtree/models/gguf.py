@@ -3,7 +3,8 @@ float at load (any type `gguf.quants.dequantize` supports: Q4_0/Q4_1/Q8_0/K-quan
 
 Parsing GGUF metadata and dequantizing take tens of seconds on a small CPU, so the first load
 also writes the result as a Hugging Face directory (config.json + float32 safetensors + the
-converted tokenizer) under the cache folder; later loads read that directory."""
+converted tokenizer) under the cache folder; later loads read that directory. An int4 load
+(`pack_gguf_int4`) caches its packed weights there too."""
 
 from __future__ import annotations
 
@@ -126,7 +127,71 @@ def pack_gguf_int4(model, path: Path) -> int:
     `path`) by the file's Q4_0 / Q4_1 codes, repacked for the CPU int4 kernel; layers stacked
     from several tensors (q/k/v, gate/up) are packed when all of them are 4-bit. The token
     embedding and LM head are packed too when they are Q8_0, Q4_0 or Q4_1. Returns the number
-    of linear layers packed."""
+    of linear layers packed. Reading and checking the file's blocks takes seconds, so the
+    packed form is cached beside the float conversion (per PyTorch version: its packed layout
+    is private) and later loads read that."""
+    from safetensors.torch import load_file, save_file
+
+    cached = packed_cache_file(path)
+    if cached.is_file():
+        return _install_packed(model, load_file(str(cached)))
+    packed = _pack_from_file(model, path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        save_file(_packed_state(model), str(tmp))
+        tmp.rename(cached)  # atomic: a half-written cache is never read
+    except OSError as e:
+        warnings.warn(f"could not cache the packed weights in {cached.parent}: {e}",
+                      stacklevel=2)
+    return packed
+
+
+def packed_cache_file(path: Path) -> Path:
+    """Where `pack_gguf_int4` caches the packed weights of the GGUF file at `path`: a folder of
+    its own, since the float conversion's loader reads every safetensors file beside it."""
+    return gguf_cache_dir(path) / "int4" / f"torch-{torch.__version__}.safetensors"
+
+
+def _packed_state(model) -> dict[str, torch.Tensor]:
+    """Every packed weight of `model` by module name (a tied LM head is the embedding's)."""
+    state = {}
+    for name, module in model.named_modules():
+        if getattr(module, "int4", None) is not None:
+            state.update(module.int4.state(name))
+    embedding, head = model.embed_tokens.packed, model.lm_head.packed
+    if embedding is not None:
+        state.update(embedding.state("embed_tokens"))
+    if head is not None and head is not embedding:
+        state.update(head.state("lm_head"))
+    return state
+
+
+def _install_packed(model, tensors: dict[str, torch.Tensor]) -> int:
+    """`_packed_state`'s tensors in place of `model`'s float weights; the linear layers packed."""
+    from flashtree.layers.int4_cpu import Int4Weight, Q8Weight
+
+    packed = 0
+    for name, module in model.named_modules():
+        if hasattr(module, "int4") and f"{name}.packed" in tensors:
+            module.int4, module.weight = Int4Weight.from_state(tensors, name), None
+            packed += 1
+    for name in ("embed_tokens", "lm_head"):
+        if f"{name}.high.packed" in tensors:
+            weight = Q8Weight.from_state(tensors, name)
+        elif f"{name}.packed" in tensors:
+            weight = Int4Weight.from_state(tensors, name)
+        else:
+            continue
+        module = getattr(model, name)
+        module.packed, module.weight = weight, None
+    if model.cfg.tie_word_embeddings and model.embed_tokens.packed is not None:
+        model.lm_head.packed, model.lm_head.weight = model.embed_tokens.packed, None
+    return packed
+
+
+def _pack_from_file(model, path: Path) -> int:
+    """`pack_gguf_int4` from the file's blocks."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     from flashtree.layers.int4_cpu import (

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, quants
 
 from flashtree import LLM, SamplingParams
 from flashtree.layers.int4_cpu import GROUP, Int4Weight, Q8Weight, gguf_q4_blocks, gguf_q8_blocks
+from flashtree.models import gguf
 
 PROMPTS = [[(97 * i + 13 * j) % 9000 + 200 for j in range(24 + 7 * i)] for i in range(3)]
 
@@ -125,6 +126,29 @@ def test_default_model_int4_matches_the_float_path():
                 gap = abs(rated[plain[split]].logprob - rated[ours[split]].logprob)
                 assert gap < LOGPROB_TOLERANCE, spec
         assert sum(t == p for t, p in zip(tokens, int4_tokens)) >= 1, spec
+
+
+def test_packed_weights_are_cached_and_read_back(tmp_path, monkeypatch):
+    """The first int4 load packs the GGUF's blocks and caches the packed form; the next load
+    reads that cache instead of the file's blocks and holds the same weights, tied embedding
+    and LM head included, and decodes the same tokens."""
+    cached = tmp_path / "int4" / "packed.safetensors"
+    monkeypatch.setattr(gguf, "packed_cache_file", lambda path: cached)
+    kw = dict(model="default", device="cpu", spec="none", quantization="int4",
+              skip_tokenizer_init=True, max_model_len=256)
+    first = LLM(**kw)
+    assert cached.is_file()
+    monkeypatch.setattr(gguf, "_pack_from_file", lambda *a: pytest.fail("packed again"))
+    second = LLM(**kw)
+    want, got = gguf._packed_state(first.model), gguf._packed_state(second.model)
+    assert sorted(got) == sorted(want) and len(want) == 4 * 30 * 2 + 4  # 4 linears a layer
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    model = second.model
+    assert model.embed_tokens.weight is None and model.lm_head.packed is model.embed_tokens.packed
+    assert model.layers[0].mlp.down_proj.weight is None
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in second.generate(PROMPTS, params)]
+            == [o.outputs[0].token_ids for o in first.generate(PROMPTS, params)])
 
 
 def test_int4_is_refused_where_it_does_not_apply(tiny_chat_model):
