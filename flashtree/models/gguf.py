@@ -52,7 +52,8 @@ def gguf_cache_dir(path: Path) -> Path:
     """Cache folder of one GGUF file, keyed by its name, size and modification time."""
     root = Path(os.environ.get("FLASHTREE_CACHE", Path.home() / ".cache" / "flashtree"))
     stat = path.stat()
-    # The version changes whenever the conversion does, so stale conversions are never read.
+    # The version changes whenever the conversion (or the packed int4 form) does, so stale
+    # caches are never read.
     key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_CACHE_FORMAT_VERSION}"
     return root / "gguf" / key
 
