@@ -113,9 +113,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @functools.cache
 def _half_signs(head_dim: int, device: torch.device) -> torch.Tensor:
-    """[-1] * (head_dim / 2) + [1] * (head_dim / 2), float32."""
-    half = head_dim // 2
-    return torch.cat((-torch.ones(half), torch.ones(head_dim - half))).to(device)
+    """[-1] * (head_dim / 2) + [1] * (head_dim / 2), float32, made on the device (no host
+    copy, so a first call inside a CUDA graph capture is legal)."""
+    signs = torch.ones(head_dim, device=device)
+    signs[: head_dim // 2] = -1
+    return signs
 
 
 def norm_rotary(
