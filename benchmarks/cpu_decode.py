@@ -348,9 +348,10 @@ def malloc_trim() -> None:
 def probe(engine: str) -> dict:
     """In this (fresh) process: how much resident memory building `engine` adds. Imports are
     done first; flashtree gets the smallest KV cache (1 page of 16 tokens) and no tokenizer
-    (the Hugging Face one adds about 65 MiB that are not weights); llama.cpp decodes two short
-    prompts, so that the weights it maps from the file are touched."""
-    from flashtree import LLM
+    (the Hugging Face one adds about 65 MiB that are not weights); each engine decodes a short
+    prompt or two, so that weights mapped from a file (llama.cpp's GGUF, flashtree's cached
+    packed int4 weights) are touched."""
+    from flashtree import LLM, SamplingParams
     from flashtree.models import gguf  # noqa: F401  (imported lazily by LLM)
 
     if engine == "llama.cpp":
@@ -368,6 +369,9 @@ def probe(engine: str) -> dict:
                   kv_cache_pages=1, skip_tokenizer_init=True, **FLASHTREE_ENGINES[engine])
         kv_bytes = sum(t.nbytes for t in (llm.engine.cache.k, llm.engine.cache.v)
                        if isinstance(t, torch.Tensor))
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2,
+                                                       ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 2, out
     gc.collect()
     after = rss_bytes()
     malloc_trim()
