@@ -14,6 +14,7 @@ acceptance oracle against plain decoding on TP1 and TP2. Writes a JSON beside th
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -330,15 +331,19 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - the report says what failed; the bench still runs
             report += ["```", traceback.format_exc(), "```", ""]
         print("\n".join(report), flush=True)
+    @functools.cache
+    def full_pair() -> tuple[Path, Path]:
+        """The full-depth target and its drafter, written once for the sections that use them."""
+        target = make_target(work / "target", shape, shape["num_hidden_layers"], gen_dev)
+        return target, make_drafter(work / "drafter", target, shape, 5, 16, gen_dev)
+
     if "bench" not in args.skip:
         report += [f"## Decode step time, context {args.ctx}, median of {args.steps} steps "
                    "(wall time of `engine.step()`, host and broadcast included; DDTree budget "
                    "15, random drafter so about one token per step). TP2/TP1 compares graph "
                    "runs (goals: <= 0.65 at batch 1, <= 0.6 at batch 32)", ""]
         try:
-            target = make_target(work / "target", shape, shape["num_hidden_layers"], gen_dev)
-            drafter = make_drafter(work / "drafter", target, shape, 5, 16, gen_dev)
-            report += [*bench(args, target, drafter), ""]
+            report += [*bench(args, *full_pair()), ""]
             report += ["## All-reduce latency in the TP2 group (bf16, replayed from a CUDA graph "
                        "of 20 calls, slowest rank)", "", *all_reduce_table()]
         except Exception:  # noqa: BLE001
@@ -348,9 +353,7 @@ def main() -> int:
                    f"{args.oracle[1]}; budget 15, block 16; context {args.ctx}, "
                    f"{args.oracle_tokens} new tokens per request)", ""]
         try:
-            target = make_target(work / "target", shape, shape["num_hidden_layers"], gen_dev)
-            drafter = make_drafter(work / "drafter", target, shape, 5, 16, gen_dev)
-            report += [*oracle_runs(args, target, drafter), ""]
+            report += [*oracle_runs(args, *full_pair()), ""]
         except Exception:  # noqa: BLE001
             report += ["```", traceback.format_exc(), "```", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
