@@ -135,17 +135,18 @@ def pack_gguf_int4(model, path: Path) -> int:
 
     cached = packed_cache_file(path)
     if cached.is_file():
-        return _install_packed(model, load_file(str(cached)))
-    packed = _pack_from_file(model, path)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(".tmp")
-        save_file(_packed_state(model), str(tmp))
-        tmp.rename(cached)  # atomic: a half-written cache is never read
-    except OSError as e:
-        warnings.warn(f"could not cache the packed weights in {cached.parent}: {e}",
-                      stacklevel=2)
-    return packed
+        tensors = load_file(str(cached))
+    else:
+        tensors = _pack_from_file(model, path)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(".tmp")
+            save_file(tensors, str(tmp))
+            tmp.rename(cached)  # atomic: a half-written cache is never read
+        except OSError as e:
+            warnings.warn(f"could not cache the packed weights in {cached.parent}: {e}",
+                          stacklevel=2)
+    return _install_packed(model, tensors)
 
 
 def packed_cache_file(path: Path) -> Path:
@@ -154,22 +155,9 @@ def packed_cache_file(path: Path) -> Path:
     return gguf_cache_dir(path) / "int4" / f"torch-{torch.__version__}.safetensors"
 
 
-def _packed_state(model) -> dict[str, torch.Tensor]:
-    """Every packed weight of `model` by module name (a tied LM head is the embedding's)."""
-    state = {}
-    for name, module in model.named_modules():
-        if getattr(module, "int4", None) is not None:
-            state.update(module.int4.state(name))
-    embedding, head = model.embed_tokens.packed, model.lm_head.packed
-    if embedding is not None:
-        state.update(embedding.state("embed_tokens"))
-    if head is not None and head is not embedding:
-        state.update(head.state("lm_head"))
-    return state
-
-
 def _install_packed(model, tensors: dict[str, torch.Tensor]) -> int:
-    """`_packed_state`'s tensors in place of `model`'s float weights; the linear layers packed."""
+    """`_pack_from_file`'s tensors in place of `model`'s float weights (a tied LM head takes
+    the embedding's); returns the number of linear layers packed."""
     from flashtree.layers.int4_cpu import Int4Weight, Q8Weight
 
     packed = 0
@@ -191,12 +179,12 @@ def _install_packed(model, tensors: dict[str, torch.Tensor]) -> int:
     return packed
 
 
-def _pack_from_file(model, path: Path) -> int:
-    """`pack_gguf_int4` from the file's blocks."""
+def _pack_from_file(model, path: Path) -> dict[str, torch.Tensor]:
+    """The packed weights of `pack_gguf_int4`, from the file's blocks, by module name, each
+    checked against the float weight `model` loaded from the same file."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     from flashtree.layers.int4_cpu import (
-        Int4Weight,
         Q8Weight,
         check_layout,
         gguf_q4_blocks,
@@ -206,7 +194,7 @@ def _pack_from_file(model, path: Path) -> int:
     cfg = model.cfg
     q4 = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
     blocks: dict[str, tuple[np.ndarray, ...]] = {}  # HF module path -> codes, scales, zeros
-    heads: dict[str, Int4Weight | Q8Weight] = {}  # token_embd / output -> packed
+    state: dict[str, torch.Tensor] = {}
     for t in GGUFReader(str(path)).tensors:
         base, _, kind = t.name.rpartition(".")
         parts = base.split(".")
@@ -214,13 +202,14 @@ def _pack_from_file(model, path: Path) -> int:
             check_layout()  # their rows are read back from the packed layout
             if t.tensor_type == GGMLQuantizationType.Q8_0:
                 codes, scales = (torch.from_numpy(a) for a in gguf_q8_blocks(np.asarray(t.data)))
-                heads[base] = Q8Weight(codes, scales)
                 _check_exact(base, codes.float().view(*scales.shape, -1) * scales[..., None],
                              _float_weight(model, base))
+                state.update(Q8Weight(codes, scales).state(_HEAD_MODULES[base]))
             elif t.tensor_type in q4:
                 arrays = gguf_q4_blocks(np.asarray(t.data), t.tensor_type == q4[1])
-                heads[base] = _packed_q4(*(torch.from_numpy(a) for a in arrays), base,
-                                         _float_weight(model, base))
+                weight = _packed_q4(*(torch.from_numpy(a) for a in arrays), base,
+                                    _float_weight(model, base))
+                state.update(weight.state(_HEAD_MODULES[base]))
             continue
         if t.tensor_type not in q4 or kind != "weight" or len(parts) != 3 or (
                 parts[0] != "blk" or parts[2] not in _LAYER_TENSORS):
@@ -233,7 +222,6 @@ def _pack_from_file(model, path: Path) -> int:
     sources: dict[str, list[str]] = {}  # stacked target -> its HF suffixes in order
     for suffix, (target, _) in sorted(model.stacked.items(), key=lambda kv: kv[1][1]):
         sources.setdefault(target, []).append(suffix)
-    packed = 0
     for name, module in model.named_modules():
         if not hasattr(module, "int4"):
             continue
@@ -243,15 +231,11 @@ def _pack_from_file(model, path: Path) -> int:
             continue
         codes, scales, zeros = (torch.from_numpy(np.concatenate([blocks[p][i] for p in parts]))
                                 for i in range(3))
-        module.int4, module.weight = _packed_q4(codes, scales, zeros, name, module.weight), None
-        packed += 1
-    # The LM head of tied embeddings is the embedding's module weight: packed with it.
-    for base, module in (("token_embd", model.embed_tokens), ("output", model.lm_head)):
-        if base in heads:
-            module.packed, module.weight = heads[base], None
-    if cfg.tie_word_embeddings and "token_embd" in heads:
-        model.lm_head.packed, model.lm_head.weight = heads["token_embd"], None
-    return packed
+        state.update(_packed_q4(codes, scales, zeros, name, module.weight).state(name))
+    return state
+
+
+_HEAD_MODULES = {"token_embd": "embed_tokens", "output": "lm_head"}  # GGUF name -> module
 
 
 def _float_weight(model, base: str) -> torch.Tensor:
