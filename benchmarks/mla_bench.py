@@ -4,11 +4,14 @@ DeepSeek-V3-shaped model with CUDA graphs on and off. Random weights and caches 
 1. Attention, one layer call replayed from a CUDA graph: decode at each context and batch, with
    the latent bytes it reads over its time (TB/s); a 64-node tree verify at batch 1 against
    decode at the same context. The kernel is checked against SDPA on the smallest case first.
+   Where `import flashinfer` works, each decode case also times FlashInfer's MLA decode
+   (`BatchMLAPagedAttentionWrapper`, `--flashinfer-backend`) on the same pages and queries, and
+   checks its output against Triton's.
 2. The model (`--layers`, the first dense as in DeepSeek-V3): a decode step at batch 1 and 32
    after `--model-ctx` tokens, graph-replayed against `enforce_eager=True`.
 
 Writes markdown and JSON (`mla_decode_tbps_16k_b32`, `mla_verify64_over_decode`,
-`mla_graph_speedup_b1`):
+`mla_graph_speedup_b1`, with FlashInfer `flashinfer_mla_decode_tbps_16k_b32`):
 
     python benchmarks/mla_bench.py --out benchmarks/results/DATE-mla-gpu.md
     python benchmarks/mla_bench.py --shape tiny --device cpu --model-ctx 32 --out mla.md
@@ -61,9 +64,12 @@ TREE_NODES = 64
 
 
 def latent_call(backend_cls, batch: int, ctx: int, tokens: int, shape: tuple[int, int, int],
-                device: torch.device, dtype: torch.dtype, page: int, tree: bool):
+                device: torch.device, dtype: torch.dtype, page: int, tree: bool,
+                parts: dict | None = None):
     """One layer's forward_latent over `batch` requests of `ctx` cached tokens plus `tokens`
-    new ones (a random tree when `tree`) -> (a callable, the latent bytes it reads)."""
+    new ones (a random tree when `tree`) -> (a callable, the latent bytes it reads, FLOPs).
+    `parts`, when given, gets what another kernel needs for the same call: the cache, the
+    metadata, the queries, the latent width and the scale."""
     heads, latent, rope = shape
     total = ctx + tokens
     meta, num_pages = paged_verify_batch(batch, ctx, tokens, page, tree,
@@ -76,10 +82,70 @@ def latent_call(backend_cls, batch: int, ctx: int, tokens: int, shape: tuple[int
     backend = backend_cls(cache)
     backend.begin_forward(meta)
     scale = (latent + rope) ** -0.5
+    if parts is not None:
+        parts.update(cache=cache, meta=meta, q=q, latent=latent, scale=scale)
     # Each query row and head scores its keys over latent + rope and sums latent-wide values.
     flops = 2 * batch * tokens * heads * total * (2 * latent + rope)
     return (lambda: backend.forward_latent(0, q, new, latent, scale),
             batch * total * (latent + rope) * cache.k.element_size(), flops)
+
+
+def load_flashinfer(backend: str, shape: tuple[int, int, int], dtype: torch.dtype):
+    """The flashinfer package where its MLA kernels can run this shape, else None (saying why)."""
+    if backend == "off":
+        return None
+    try:
+        import flashinfer
+    except Exception as e:  # not installed, or its import probing the machine failed
+        print(f"FlashInfer absent ({type(e).__name__}: {e}): Triton only", flush=True)
+        return None
+    if shape[1:] != (512, 64) or dtype not in (torch.bfloat16, torch.float16):
+        print(f"FlashInfer {flashinfer.__version__} has no MLA kernel for latent {shape[1]} + "
+              f"rope {shape[2]} in {dtype}: Triton only", flush=True)
+        return None
+    return flashinfer
+
+
+def flashinfer_call(backend: str, cache: KVCache, meta, q: torch.Tensor, latent: int,
+                    scale: float):
+    """FlashInfer's MLA decode over a latent call's pages, lengths and queries (after the
+    Triton call ran: it writes the new tokens' latents) -> (a callable, the backend it chose).
+    The cache and queries pass as views (latent columns, then rope); plan() fills fixed
+    buffers (use_cuda_graph) so that run() can be captured."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    page = cache.page_size
+    kv_lens = meta.kv_lens.int()
+    pages = (kv_lens + page - 1) // page
+    used = torch.arange(meta.page_tables.shape[1], device=q.device) < pages[:, None]
+    layout = {"qo_indptr": meta.query_start.int(),
+              "kv_indptr": torch.cat([pages.new_zeros(1), pages.cumsum(0).int()]),
+              "kv_indices": meta.page_tables[used].int(), "kv_len_arr": kv_lens}
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+    wrapper = BatchMLAPagedAttentionWrapper(
+        workspace, use_cuda_graph=True, backend=backend,
+        **{k: torch.empty_like(v) for k, v in layout.items()})
+    wrapper.plan(*layout.values(), q.shape[1], latent, q.shape[2] - latent, page, False, scale,
+                 q.dtype, cache.k.dtype)
+    kv = cache.k[0].view(-1, page, cache.k.shape[-1])  # [pages, page, latent + rope]
+    ins = (q[..., :latent], q[..., latent:], kv[..., :latent], kv[..., latent:])
+    out = q.new_empty(q.shape[0], q.shape[1], latent)
+    return (lambda: wrapper.run(*ins, out=out)), wrapper._backend
+
+
+def flashinfer_row(backend: str, triton_fn, parts: dict, read: int, reps: int) -> dict:
+    """FlashInfer on a Triton decode case: ms (graph-replayed where capture works), TB/s over
+    the same latent bytes, and its largest difference from the Triton output."""
+    fn, used = flashinfer_call(backend, **parts)
+    ref = triton_fn()
+    diff = (fn().float() - ref.float()).abs().max().item()
+    try:
+        ms, timing = graph_ms(fn, reps), "graph"
+    except RuntimeError as e:
+        print(f"FlashInfer run() not capturable ({e}): timed eagerly", flush=True)
+        ms, timing = median_ms(fn, ref.device, reps), "eager"
+    return {"flashinfer_ms": ms, "flashinfer_tbps": read / ms / 1e9,
+            "flashinfer_max_diff": diff, "flashinfer_backend": used, "flashinfer_timing": timing}
 
 
 def attention_section(args, device: torch.device, dtype: torch.dtype) -> dict:
@@ -89,21 +155,38 @@ def attention_section(args, device: torch.device, dtype: torch.dtype) -> dict:
     check = [latent_call(cls, 2, min(args.contexts), 16, shape, device, dtype, 16, True)[0]()
              for cls in (SdpaBackend, TritonBackend)]
     err = (check[0].float() - check[1].float()).abs().max().item()
+    flashinfer = load_flashinfer(args.flashinfer_backend, shape, dtype)
+    version = flashinfer and flashinfer.__version__
     rows = []
 
     def timed(step: str, ctx: int, batch: int, tokens: int, tree: bool) -> None:
+        nonlocal flashinfer
+        parts = {}
         fn, read, flops = latent_call(TritonBackend, batch, ctx, tokens, shape, device, dtype,
-                                      16, tree)
+                                      16, tree, parts)
         ms = graph_ms(fn, args.reps)
         rows.append({"step": step, "ctx": ctx, "batch": batch, "ms": ms,
                      "tbps": read / ms / 1e9, "tflops": flops / ms / 1e9})
+        if flashinfer and step == "decode":
+            try:
+                rows[-1].update(flashinfer_row(args.flashinfer_backend, fn, parts, read,
+                                               args.reps))
+            except Exception as e:  # a JIT build or launch that fails: keep the Triton rows
+                print(f"FlashInfer failed ({type(e).__name__}: {e}): Triton only", flush=True)
+                flashinfer = None
         print(rows[-1], flush=True)
 
     for ctx in args.contexts:
         for batch in args.batches:
             timed("decode", ctx, batch, 1, False)
         timed(f"verify {TREE_NODES}", ctx, 1, TREE_NODES, True)
-    return {"shape": shape, "max_err_vs_sdpa": err, "rows": rows}
+    out = {"shape": shape, "max_err_vs_sdpa": err, "rows": rows}
+    fi_rows = [r for r in rows if "flashinfer_ms" in r]
+    if fi_rows:
+        out["flashinfer"] = (f"{version} {fi_rows[0]['flashinfer_backend']}, "
+                             f"{fi_rows[0]['flashinfer_timing']}")
+        out["max_diff_flashinfer_vs_triton"] = max(r["flashinfer_max_diff"] for r in fi_rows)
+    return out
 
 
 def model_section(args, device: torch.device, dtype: torch.dtype) -> dict:
@@ -136,6 +219,9 @@ def summary(res: dict) -> dict:
         rows = {(r["step"], r["ctx"], r["batch"]): r for r in att["rows"]}
         if ("decode", 16384, 32) in rows:
             keys["mla_decode_tbps_16k_b32"] = rows["decode", 16384, 32]["tbps"]
+            if "flashinfer_tbps" in rows["decode", 16384, 32]:
+                keys["flashinfer_mla_decode_tbps_16k_b32"] = (
+                    rows["decode", 16384, 32]["flashinfer_tbps"])
         ctx = 16384 if ("decode", 16384, 1) in rows else att["rows"][0]["ctx"]
         if ("decode", ctx, 1) in rows:
             keys["mla_verify64_over_decode"] = (rows[f"verify {TREE_NODES}", ctx, 1]["ms"]
@@ -152,12 +238,23 @@ def report(res: dict) -> str:
     att = res.get("attention")
     if att:
         heads, latent, rope = att["shape"]
+        fi = "flashinfer" in att
         lines += [f"## Attention ({heads} heads, latent {latent} + rope {rope}, graph-replayed;"
-                  f" max |Triton - SDPA| {att['max_err_vs_sdpa']:.2g})", "",
-                  "| step | context | batch | ms | latent TB/s | TFLOP/s |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {r['step']} | {r['ctx']} | {r['batch']} | {r['ms']:.3f} | "
-                  f"{r['tbps']:.2f} | {r['tflops']:.0f} |" for r in att["rows"]]
+                  f" max |Triton - SDPA| {att['max_err_vs_sdpa']:.2g})", ""]
+        if fi:
+            lines += [f"FlashInfer {att['flashinfer']}: decode rows on the same pages and "
+                      f"queries, max |FlashInfer - Triton| "
+                      f"{att['max_diff_flashinfer_vs_triton']:.2g}.", ""]
+        lines += ["| step | context | batch | ms | latent TB/s | TFLOP/s |"
+                  + (" FlashInfer ms | FlashInfer TB/s |" if fi else ""),
+                  "|---|---|---|---|---|---|" + ("---|---|" if fi else "")]
+        for r in att["rows"]:
+            line = (f"| {r['step']} | {r['ctx']} | {r['batch']} | {r['ms']:.3f} | "
+                    f"{r['tbps']:.2f} | {r['tflops']:.0f} |")
+            if fi:
+                line += (f" {r['flashinfer_ms']:.3f} | {r['flashinfer_tbps']:.2f} |"
+                         if "flashinfer_ms" in r else " - | - |")
+            lines.append(line)
         lines.append("")
     model = res.get("model")
     if model:
@@ -183,6 +280,8 @@ def main() -> None:
     ap.add_argument("--model-batches", default="1,32")
     ap.add_argument("--sections", default="attention,model")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--flashinfer-backend", choices=("auto", "fa2", "fa3", "off"), default="auto",
+                    help="FlashInfer's MLA backend for the comparison (auto: fa3 on sm_90a)")
     ap.add_argument("--out", type=Path, required=True, help="markdown report (JSON beside it)")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]

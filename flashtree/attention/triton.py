@@ -24,11 +24,15 @@ import triton
 import triton.language as tl
 
 from flashtree.attention.backend import AttentionBackend, AttentionMetadata
+from flashtree.attention.triton_common import (
+    LOG2E,
+    NO_SCORE,
+    merge_splits,
+    new_token_visibility,
+)
+from flashtree.attention.triton_mla import latent_attention_kernel, latent_tile
 from flashtree.kv.cache import KVCache
 
-_LOG2E = 1.4426950408889634
-# Running max before any key: finite, so fully masked rows give p = 0.
-_NO_SCORE = tl.constexpr(-1.0e30)
 _MAX_AUTO_SPLITS = 16
 
 
@@ -45,11 +49,8 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, V_IS_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    # TAIL > 0: queries and keys have TAIL more columns after HEAD_DIM that count in the
-    # scores but not in the values (MLA: the rope part after the latent). V_IS_K: the values
-    # are the keys' first HEAD_DIM columns, read once for both (MLA's latent cache).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     mt = tl.program_id(2) // NUM_SPLITS
@@ -70,16 +71,8 @@ def _paged_attention_kernel(
         q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )  # [BLOCK_M, BLOCK_D]
-    if TAIL > 0:
-        dt = tl.arange(0, BLOCK_TAIL)
-        dt_ok = dt < TAIL
-        dt = HEAD_DIM + dt
-        q_tail = tl.load(
-            q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-            + dt[None, :], mask=row_ok[:, None] & dt_ok[None, :], other=0.0,
-        )  # [BLOCK_M, BLOCK_TAIL]
 
-    m_i = tl.full([BLOCK_M], _NO_SCORE, tl.float32)
+    m_i = tl.full([BLOCK_M], NO_SCORE, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     page_row = page_tables_ptr + b * stride_pb
@@ -117,31 +110,15 @@ def _paged_attention_kernel(
             kv_ok = key_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                         mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
-            if V_IS_K:
-                v = k
-            else:
-                v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                            mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            if TAIL > 0:
-                k_tail = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh
-                                 + dt[None, :], mask=key_ok[:, None] & dt_ok[None, :],
-                                 other=0.0)
-                s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
-            s = s * sm_scale_log2
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                        mask=kv_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
             visible = key_ok[None, :] & row_ok[:, None]  # [BLOCK_M, BLOCK_N]
             # distance = query position - key position (both logical indices)
             distance = (ctx_len + tok)[:, None] - key[None, :]
             if phase == 1:
-                new = key - ctx_len  # [BLOCK_N] index among the new tokens
-                if HAS_MASK:
-                    bits = tl.load(
-                        mask_ptr + b * stride_mb + tok[:, None] * stride_mq + new[None, :],
-                        mask=visible, other=0,
-                    )
-                    visible = visible & (bits != 0)
-                elif CAUSAL:
-                    visible = visible & (distance >= 0)
+                visible = new_token_visibility(visible, mask_ptr + b * stride_mb, stride_mq,
+                                               tok, key - ctx_len, distance, HAS_MASK, CAUSAL)
                 if HAS_WINDOW and not CAUSAL:
                     visible = visible & (-distance < window)
             if HAS_WINDOW:
@@ -166,43 +143,6 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + (part * BLOCK_M + r)[:, None] * BLOCK_D + d[None, :], acc)
         tl.store(part_m_ptr + part * BLOCK_M + r, m_i)
         tl.store(part_l_ptr + part * BLOCK_M + r, l_i)
-
-
-@triton.jit(do_not_specialize=["num_m_tiles"])
-def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_ptr,
-    stride_ot, stride_oh, num_kv_heads, num_m_tiles,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    mt = tl.program_id(2)
-    q_start = tl.load(query_start_ptr + b)
-    q_len = tl.load(query_start_ptr + b + 1) - q_start
-    r = tl.arange(0, BLOCK_M)
-    rows = mt * BLOCK_M + r
-    tok = rows // GROUP
-    head = kvh * GROUP + rows % GROUP
-    d = tl.arange(0, BLOCK_D)
-    first = ((b * num_kv_heads + kvh) * num_m_tiles + mt) * NUM_SPLITS
-
-    m = tl.full([BLOCK_M], _NO_SCORE, tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(part_m_ptr + (first + s) * BLOCK_M + r))
-    l_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        part = first + s
-        w = tl.exp2(tl.load(part_m_ptr + part * BLOCK_M + r) - m)
-        l_sum += w * tl.load(part_l_ptr + part * BLOCK_M + r)
-        acc += w[:, None] * tl.load(part_acc_ptr + (part * BLOCK_M + r)[:, None] * BLOCK_D
-                                    + d[None, :])
-    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    tl.store(
-        out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=(tok < q_len)[:, None] & (d < HEAD_DIM)[None, :],
-    )
 
 
 @dataclass
@@ -236,15 +176,16 @@ class TritonBackend(AttentionBackend):
                          if device.type == "cuda" else 0)
         self.launch: _Launch | None = None
 
-    def splits_for(self, programs: int, max_kv_len: int) -> int:
+    def splits_for(self, programs: int, max_kv_len: int, block_n: int | None = None,
+                   most: int = _MAX_AUTO_SPLITS) -> int:
         """Context splits for a launch of `programs` (request, KV head, query tile) programs
         over contexts of up to `max_kv_len` keys: enough programs to fill the GPU twice, but no
-        more splits than the longest context has key blocks (a short prompt's prefill takes
-        one, and no merge)."""
+        more splits than the longest context has key blocks of `block_n` (a short prompt's
+        prefill takes one, and no merge), nor than `most`."""
         if self.num_splits is not None:
             return self.num_splits
-        wanted = min(_MAX_AUTO_SPLITS, -(-2 * self._num_sms // programs),
-                     -(-max_kv_len // self.block_n))
+        wanted = min(most, -(-2 * self._num_sms // programs),
+                     -(-max_kv_len // (block_n or self.block_n)))
         return triton.next_power_of_2(wanted) if wanted > 1 else 1  # few compiled variants
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
@@ -266,74 +207,98 @@ class TritonBackend(AttentionBackend):
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         assert self.cache.v is not None, "a key-only (MLA) cache attends through forward_latent"
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, kv_heads, hd]
-        head_dim = q.shape[2]
-        return self._run(q, k_cache, v_cache, head_dim, 0, head_dim**-0.5, self.block_n,
-                         self.max_block_m, self.num_warps)
+        return self._run(q, self.cache.k[layer], self.cache.v[layer])
 
     def forward_latent(
         self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int, scale: float
     ) -> torch.Tensor:
-        """MLA's absorbed attention: the values are the latent's first `v_dim` columns, the
-        rest (the rope part) counts in the scores only; one cached head serves all query heads,
-        so a request's tile reads each latent page once for every head and tree node."""
+        """MLA's absorbed attention (`latent_attention_kernel`): the values are the latent's
+        first `v_dim` columns, the rest (the rope part) counts in the scores only; one cached
+        head serves all query heads, so a tile reads each latent page once for 64 query rows."""
         self.cache.write(layer, self.slot_mapping, latent, None)
-        k_cache = self.cache.k[layer]  # [slots, 1, latent_dim]
-        tail = q.shape[2] - v_dim
-        # 512-column tiles: 16 keys and up to 32 query rows, 8 warps, compile for sm_90
-        # without register spills (ptxas); the dense heads' tile sizes spill.
-        return self._run(q, k_cache, None, v_dim, tail, scale, 16, min(self.max_block_m, 32), 8)
+        kv = self.cache.k[layer]  # [slots, 1, latent_dim]
+        launch = self.launch
+        meta = launch.meta
+        n, heads, tail = meta.num_seqs, q.shape[1], q.shape[2] - v_dim
+        assert meta.sliding_window is None, "MLA has no sliding window"
+        assert v_dim % 2 == 0, f"latent width {v_dim}: the kernel splits it into two halves"
+        assert q.stride(2) == 1 and kv.stride(2) == 1, "the latent must be contiguous"
+        assert kv.shape[0] * kv.stride(0) < 2**31, "the kernel offsets a layer's cache in int32"
+        tile = latent_tile(heads, v_dim)
+        block_m, half = tile["BLOCK_M"], tile["BLOCK_HALF"]
+        num_m_tiles = triton.cdiv(meta.max_query_len * heads, block_m)
+        # A few requests' tiles are few programs: up to 64 splits, each a handful of key blocks.
+        splits = self.splits_for(n * num_m_tiles, meta.max_kv_len, tile["BLOCK_N"],
+                                 most=64)
+        out = q.new_empty(q.shape[0], heads, v_dim)
+        part_acc, part_m, part_l = self._partials(n * num_m_tiles * splits, block_m, 2 * half,
+                                                  splits, out)
+        mask = launch.mask
+        latent_attention_kernel[(num_m_tiles, splits, n)](
+            q, kv, out, part_acc, part_m, part_l,
+            meta.page_tables, meta.kv_lens, meta.query_start, mask,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv.stride(0),
+            meta.page_tables.stride(0), mask.stride(0), mask.stride(1) if mask.dim() > 1 else 0,
+            scale * LOG2E, num_m_tiles,
+            PAGE=self.cache.page_size, HEADS=heads, HALF=v_dim // 2, TAIL=tail,
+            BLOCK_TAIL=max(16, triton.next_power_of_2(tail)), NUM_SPLITS=splits,
+            HAS_MASK=meta.new_token_mask is not None, CAUSAL=meta.causal,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **tile,
+        )
+        if splits > 1:
+            merge_splits(out, (part_acc, part_m, part_l), meta.query_start, 1, num_m_tiles,
+                         heads, block_m, splits)
+        return out
 
-    def _run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
-             head_dim: int, tail: int, scale: float, block_n: int, max_block_m: int,
-             num_warps: int) -> torch.Tensor:
-        """Attention of q [num_tokens, heads, head_dim + tail] over the paged keys (and
-        values: v_cache, or the keys' first head_dim columns when None) -> [num_tokens,
-        heads, head_dim]."""
+    @staticmethod
+    def _partials(programs: int, block_m: int, block_d: int, splits: int, out: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each split's (acc, max, sum) for `programs` (request, head, query tile, split)
+        tiles; `out` stands in for all three when there is one split (nothing to merge)."""
+        if splits == 1:
+            return out, out, out
+        part_m = torch.empty(programs, block_m, dtype=torch.float32, device=out.device)
+        return (torch.empty(programs, block_m, block_d, dtype=torch.float32, device=out.device),
+                part_m, torch.empty_like(part_m))
+
+    def _run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+             ) -> torch.Tensor:
+        """Attention of q [num_tokens, heads, head_dim] over the paged keys and values
+        [slots, kv_heads, head_dim] -> [num_tokens, heads, head_dim]."""
         launch = self.launch
         assert launch is not None, "begin_forward must run before the layers"
         meta = launch.meta
-        heads = q.shape[1]
+        heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[1]
         assert heads % num_kv_heads == 0, f"{heads} query heads over {num_kv_heads} KV heads"
         assert q.stride(2) == 1 and k_cache.stride(2) == 1, "head_dim must be contiguous"
         group = heads // num_kv_heads
         n = meta.num_seqs
-        block_m = max(16, min(max_block_m, triton.next_power_of_2(meta.max_query_len * group)))
+        block_m = max(16, min(self.max_block_m,
+                              triton.next_power_of_2(meta.max_query_len * group)))
         num_m_tiles = triton.cdiv(meta.max_query_len * group, block_m)
         block_d = max(16, triton.next_power_of_2(head_dim))
         splits = self.splits_for(n * num_kv_heads * num_m_tiles, meta.max_kv_len)
         out = q.new_empty(q.shape[0], heads, head_dim)
-        if splits > 1:
-            parts = n * num_kv_heads * num_m_tiles * splits
-            part_acc = torch.empty(parts, block_m, block_d, dtype=torch.float32, device=q.device)
-            part_m = torch.empty(parts, block_m, dtype=torch.float32, device=q.device)
-            part_l = torch.empty_like(part_m)
-        else:
-            part_acc = part_m = part_l = out
+        part_acc, part_m, part_l = self._partials(n * num_kv_heads * num_m_tiles * splits,
+                                                  block_m, block_d, splits, out)
         mask = launch.mask
         window = meta.sliding_window
-        values = k_cache if v_cache is None else v_cache
         _paged_attention_kernel[(n, num_kv_heads, num_m_tiles * splits)](
-            q, k_cache, values, out, part_acc, part_m, part_l,
+            q, k_cache, v_cache, out, part_acc, part_m, part_l,
             meta.page_tables, meta.kv_lens, meta.query_start, mask,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), values.stride(0), values.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             meta.page_tables.stride(0), mask.stride(0), mask.stride(1) if mask.dim() > 1 else 0,
-            scale * _LOG2E, window or 0, num_kv_heads, num_m_tiles,
+            head_dim**-0.5 * LOG2E, window or 0, num_kv_heads, num_m_tiles,
             PAGE=self.cache.page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
+            BLOCK_M=block_m, BLOCK_N=self.block_n, NUM_SPLITS=splits,
             HAS_MASK=meta.new_token_mask is not None, CAUSAL=meta.causal,
             HAS_WINDOW=window is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            TAIL=tail, BLOCK_TAIL=max(16, triton.next_power_of_2(tail)),
-            V_IS_K=v_cache is None, num_warps=num_warps,
+            num_warps=self.num_warps,
         )
         if splits > 1:
-            _merge_splits_kernel[(n, num_kv_heads, num_m_tiles)](
-                out, part_acc, part_m, part_l, meta.query_start,
-                out.stride(0), out.stride(1), num_kv_heads, num_m_tiles,
-                GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-                NUM_SPLITS=splits, num_warps=num_warps,
-            )
+            merge_splits(out, (part_acc, part_m, part_l), meta.query_start, num_kv_heads,
+                         num_m_tiles, group, block_m, splits)
         return out

@@ -1,10 +1,11 @@
 """The Triton kernels compile for an H200 (sm_90) without one: through triton's front end, its
 passes and its bundled ptxas, in the configurations the engine launches. The interpreter runs
 Python, so it misses what only the compiler rejects (a branch's code type-checked after an
-early return once cost a GPU session). ptxas's report also shows register spills: the MLA
-attention tile is sized to have none. The compiles run in a child process (the test session
-runs triton's interpreter, which replaces the kernels); skipped where triton or its ptxas is
-not installed, and where CUDA exists (tests/gpu/ runs the kernels themselves)."""
+early return once cost a GPU session). The PTX also shows whether a tile reaches Hopper's
+warpgroup MMA (wgmma), which MLA's compute-bound latent tile is shaped for. The compiles run
+in a child process (the test session runs triton's interpreter, which replaces the kernels);
+skipped where triton or its ptxas is not installed, and where CUDA exists (tests/gpu/ runs
+the kernels themselves)."""
 
 from __future__ import annotations
 
@@ -45,14 +46,16 @@ def reports() -> dict:
 def test_kernel_compiles_for_sm90(reports, case):
     assert reports[case]["compiled"], reports[case]
     if case == "attention:mla":
-        assert reports[case]["spill_bytes"] == 0, reports[case]
+        assert reports[case]["wgmma"] > 0, reports[case]
 
 
 def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
-                 num_warps: int = 4) -> dict:
+                 num_warps: int = 4, multiples_of_16: tuple[str, ...] = ()) -> dict:
     """Compile `fn` (a @triton.jit kernel) for sm_90 -> {"compiled", "registers",
-    "spill_bytes"}. `pointers`: the element type of each pointer argument; other arguments
-    are i32 but `sm_scale_log2` (fp32)."""
+    "spill_bytes", "wgmma" (warpgroup MMA instructions in the PTX)}. `pointers`: the element
+    type of each pointer argument; other arguments are i32 but `sm_scale_log2` (fp32). As a
+    launch specializes them: pointers are 16-byte aligned and the integers named in
+    `multiples_of_16` divisible by 16."""
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -70,7 +73,10 @@ def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
             signature[name] = "*" + pointers[name]
         else:
             signature[name] = "fp32" if name == "sm_scale_log2" else "i32"
-    source = ASTSource(fn, signature, constants)
+    names = list(inspect.signature(fn.fn).parameters)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if n in pointers or n in multiples_of_16}
+    source = ASTSource(fn, signature, constants, aligned)
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
@@ -90,7 +96,8 @@ def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
         return {"compiled": False, "ptxas": report.stderr[-2000:]}
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stderr))
     registers = int(re.search(r"Used (\d+) registers", report.stderr).group(1))
-    return {"compiled": True, "registers": registers, "spill_bytes": spills}
+    return {"compiled": True, "registers": registers, "spill_bytes": spills,
+            "wgmma": module.count("wgmma.mma_async")}
 
 
 def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
@@ -121,21 +128,28 @@ def grouping_case(tmp_path: Path) -> dict:
 
 
 def attention_case(mla: bool, tmp_path: Path) -> dict:
-    """The paged-attention kernel as dense GQA heads or MLA's latent tile launch it."""
+    """The paged-attention kernel as dense GQA heads launch it, or the latent kernel with
+    DeepSeek-V3's 128 heads over 512 + 64 columns."""
     from flashtree.attention.triton import _paged_attention_kernel
+    from flashtree.attention.triton_mla import latent_attention_kernel, latent_tile
 
-    shape = (dict(GROUP=16, HEAD_DIM=512, BLOCK_D=512, BLOCK_M=32, BLOCK_N=16, TAIL=64,
-                  BLOCK_TAIL=64, V_IS_K=True) if mla else
-             dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=32, TAIL=0,
-                  BLOCK_TAIL=16, V_IS_K=False))
-    constants = dict(PAGE=16, NUM_SPLITS=4, HAS_MASK=True, CAUSAL=True, HAS_WINDOW=False,
-                     PRECISION="tf32", **shape)
-    pointers = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", out_ptr="bf16",
-                    part_acc_ptr="fp32", part_m_ptr="fp32", part_l_ptr="fp32",
-                    page_tables_ptr="i64", kv_lens_ptr="i64", query_start_ptr="i64",
-                    mask_ptr="u8")
-    return compile_sm90(_paged_attention_kernel, constants, pointers, tmp_path,
-                        8 if mla else 4)
+    constants = dict(PAGE=16, NUM_SPLITS=4, HAS_MASK=True, CAUSAL=True, PRECISION="tf32")
+    pointers = dict(q_ptr="bf16", out_ptr="bf16", part_acc_ptr="fp32", part_m_ptr="fp32",
+                    part_l_ptr="fp32", page_tables_ptr="i64", kv_lens_ptr="i64",
+                    query_start_ptr="i64", mask_ptr="u8")
+    strides = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_ks")
+    if mla:
+        tile = latent_tile(128, 512)
+        num_warps = tile.pop("num_warps")
+        tile.pop("num_stages")
+        return compile_sm90(latent_attention_kernel,
+                            dict(constants, HEADS=128, HALF=256, TAIL=64, BLOCK_TAIL=64, **tile),
+                            dict(pointers, kv_ptr="bf16"), tmp_path, num_warps, strides)
+    constants.update(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=32,
+                     HAS_WINDOW=False)
+    return compile_sm90(_paged_attention_kernel, constants,
+                        dict(pointers, k_ptr="bf16", v_ptr="bf16"), tmp_path, 4,
+                        strides + ("stride_kh", "stride_vs", "stride_vh"))
 
 
 def main() -> None:
