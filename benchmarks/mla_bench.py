@@ -4,9 +4,10 @@ DeepSeek-V3-shaped model with CUDA graphs on and off. Random weights and caches 
 1. Attention, one layer call replayed from a CUDA graph: decode at each context and batch, with
    the latent bytes it reads over its time (TB/s); a 64-node tree verify at batch 1 against
    decode at the same context. The kernel is checked against SDPA on the smallest case first.
-   Where `import flashinfer` works, each decode case also times FlashInfer's MLA decode
-   (`BatchMLAPagedAttentionWrapper`, `--flashinfer-backend`) on the same pages and queries, and
-   checks its output against Triton's.
+   Where FlashInfer is installed, each decode case also times the engine's FlashInfer decode
+   path (`attention/flashinfer_mla.py`; FLASHTREE_FLASHINFER=0 skips it) on the same pages and
+   queries, and checks its output against Triton's. The model section runs the engine, which
+   decodes through FlashInfer where it is installed.
 2. The model (`--layers`, the first dense as in DeepSeek-V3): a decode step at batch 1 and 32
    after `--model-ctx` tokens, graph-replayed against `enforce_eager=True`.
 
@@ -63,13 +64,11 @@ MODELS = {
 TREE_NODES = 64
 
 
-def latent_call(backend_cls, batch: int, ctx: int, tokens: int, shape: tuple[int, int, int],
-                device: torch.device, dtype: torch.dtype, page: int, tree: bool,
-                parts: dict | None = None):
-    """One layer's forward_latent over `batch` requests of `ctx` cached tokens plus `tokens`
-    new ones (a random tree when `tree`) -> (a callable, the latent bytes it reads, FLOPs).
-    `parts`, when given, gets what another kernel needs for the same call: the cache, the
-    metadata, the queries, the latent width and the scale."""
+def latent_call(make_backend, batch: int, ctx: int, tokens: int, shape: tuple[int, int, int],
+                device: torch.device, dtype: torch.dtype, page: int, tree: bool):
+    """One layer's forward_latent through `make_backend(cache)` over `batch` requests of `ctx`
+    cached tokens plus `tokens` new ones (a random tree when `tree`; the same random data for
+    every backend) -> (a callable, the latent bytes it reads, FLOPs)."""
     heads, latent, rope = shape
     total = ctx + tokens
     meta, num_pages = paged_verify_batch(batch, ctx, tokens, page, tree,
@@ -79,73 +78,27 @@ def latent_call(backend_cls, batch: int, ctx: int, tokens: int, shape: tuple[int
     cache.k.copy_(torch.randn(cache.k.shape, generator=gen, device=device))
     q = torch.randn(batch * tokens, heads, latent + rope, generator=gen, device=device).to(dtype)
     new = torch.randn(batch * tokens, 1, latent + rope, generator=gen, device=device).to(dtype)
-    backend = backend_cls(cache)
+    backend = make_backend(cache)
     backend.begin_forward(meta)
     scale = (latent + rope) ** -0.5
-    if parts is not None:
-        parts.update(cache=cache, meta=meta, q=q, latent=latent, scale=scale)
     # Each query row and head scores its keys over latent + rope and sums latent-wide values.
     flops = 2 * batch * tokens * heads * total * (2 * latent + rope)
     return (lambda: backend.forward_latent(0, q, new, latent, scale),
             batch * total * (latent + rope) * cache.k.element_size(), flops)
 
 
-def load_flashinfer(backend: str, shape: tuple[int, int, int], dtype: torch.dtype):
-    """The flashinfer package where its MLA kernels can run this shape, else None (saying why)."""
-    if backend == "off":
+def flashinfer_backend(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype):
+    """The engine's FlashInfer decode path as a backend factory (the Triton backend with
+    `latent_decode`), or None where it does not apply here (saying why)."""
+    from flashtree.attention.flashinfer_mla import latent_decode_for
+    from flashtree.attention.triton import TritonBackend
+
+    probe = KVCache(1, 1, 16, 1, shape[1] + shape[2], dtype, device, v_head_dim=0)
+    if latent_decode_for(probe) is None:
+        print("FlashInfer's MLA decode does not apply here (not installed, switched off, or "
+              "not latent 512 + rope 64 in bf16/fp16): Triton only", flush=True)
         return None
-    try:
-        import flashinfer
-    except Exception as e:  # not installed, or its import probing the machine failed
-        print(f"FlashInfer absent ({type(e).__name__}: {e}): Triton only", flush=True)
-        return None
-    if shape[1:] != (512, 64) or dtype not in (torch.bfloat16, torch.float16):
-        print(f"FlashInfer {flashinfer.__version__} has no MLA kernel for latent {shape[1]} + "
-              f"rope {shape[2]} in {dtype}: Triton only", flush=True)
-        return None
-    return flashinfer
-
-
-def flashinfer_call(backend: str, cache: KVCache, meta, q: torch.Tensor, latent: int,
-                    scale: float):
-    """FlashInfer's MLA decode over a latent call's pages, lengths and queries (after the
-    Triton call ran: it writes the new tokens' latents) -> (a callable, the backend it chose).
-    The cache and queries pass as views (latent columns, then rope); plan() fills fixed
-    buffers (use_cuda_graph) so that run() can be captured."""
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper
-
-    page = cache.page_size
-    kv_lens = meta.kv_lens.int()
-    pages = (kv_lens + page - 1) // page
-    used = torch.arange(meta.page_tables.shape[1], device=q.device) < pages[:, None]
-    layout = {"qo_indptr": meta.query_start.int(),
-              "kv_indptr": torch.cat([pages.new_zeros(1), pages.cumsum(0).int()]),
-              "kv_indices": meta.page_tables[used].int(), "kv_len_arr": kv_lens}
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
-    wrapper = BatchMLAPagedAttentionWrapper(
-        workspace, use_cuda_graph=True, backend=backend,
-        **{k: torch.empty_like(v) for k, v in layout.items()})
-    wrapper.plan(*layout.values(), q.shape[1], latent, q.shape[2] - latent, page, False, scale,
-                 q.dtype, cache.k.dtype)
-    kv = cache.k[0].view(-1, page, cache.k.shape[-1])  # [pages, page, latent + rope]
-    ins = (q[..., :latent], q[..., latent:], kv[..., :latent], kv[..., latent:])
-    out = q.new_empty(q.shape[0], q.shape[1], latent)
-    return (lambda: wrapper.run(*ins, out=out)), wrapper._backend
-
-
-def flashinfer_row(backend: str, triton_fn, parts: dict, read: int, reps: int) -> dict:
-    """FlashInfer on a Triton decode case: ms (graph-replayed where capture works), TB/s over
-    the same latent bytes, and its largest difference from the Triton output."""
-    fn, used = flashinfer_call(backend, **parts)
-    ref = triton_fn()
-    diff = (fn().float() - ref.float()).abs().max().item()
-    try:
-        ms, timing = graph_ms(fn, reps), "graph"
-    except RuntimeError as e:
-        print(f"FlashInfer run() not capturable ({e}): timed eagerly", flush=True)
-        ms, timing = median_ms(fn, ref.device, reps), "eager"
-    return {"flashinfer_ms": ms, "flashinfer_tbps": read / ms / 1e9,
-            "flashinfer_max_diff": diff, "flashinfer_backend": used, "flashinfer_timing": timing}
+    return lambda cache: TritonBackend(cache, latent_decode=latent_decode_for(cache))
 
 
 def attention_section(args, device: torch.device, dtype: torch.dtype) -> dict:
@@ -155,25 +108,21 @@ def attention_section(args, device: torch.device, dtype: torch.dtype) -> dict:
     check = [latent_call(cls, 2, min(args.contexts), 16, shape, device, dtype, 16, True)[0]()
              for cls in (SdpaBackend, TritonBackend)]
     err = (check[0].float() - check[1].float()).abs().max().item()
-    flashinfer = load_flashinfer(args.flashinfer_backend, shape, dtype)
-    version = flashinfer and flashinfer.__version__
+    flashinfer = flashinfer_backend(shape, device, dtype)
     rows = []
 
     def timed(step: str, ctx: int, batch: int, tokens: int, tree: bool) -> None:
-        nonlocal flashinfer
-        parts = {}
-        fn, read, flops = latent_call(TritonBackend, batch, ctx, tokens, shape, device, dtype,
-                                      16, tree, parts)
+        case = (batch, ctx, tokens, shape, device, dtype, 16, tree)
+        fn, read, flops = latent_call(TritonBackend, *case)
         ms = graph_ms(fn, args.reps)
         rows.append({"step": step, "ctx": ctx, "batch": batch, "ms": ms,
                      "tbps": read / ms / 1e9, "tflops": flops / ms / 1e9})
         if flashinfer and step == "decode":
-            try:
-                rows[-1].update(flashinfer_row(args.flashinfer_backend, fn, parts, read,
-                                               args.reps))
-            except Exception as e:  # a JIT build or launch that fails: keep the Triton rows
-                print(f"FlashInfer failed ({type(e).__name__}: {e}): Triton only", flush=True)
-                flashinfer = None
+            fi_fn = latent_call(flashinfer, *case)[0]
+            diff = (fi_fn().float() - fn().float()).abs().max().item()
+            fi_ms = graph_ms(fi_fn, args.reps)
+            rows[-1].update(flashinfer_ms=fi_ms, flashinfer_tbps=read / fi_ms / 1e9,
+                            flashinfer_max_diff=diff)
         print(rows[-1], flush=True)
 
     for ctx in args.contexts:
@@ -181,11 +130,12 @@ def attention_section(args, device: torch.device, dtype: torch.dtype) -> dict:
             timed("decode", ctx, batch, 1, False)
         timed(f"verify {TREE_NODES}", ctx, 1, TREE_NODES, True)
     out = {"shape": shape, "max_err_vs_sdpa": err, "rows": rows}
-    fi_rows = [r for r in rows if "flashinfer_ms" in r]
-    if fi_rows:
-        out["flashinfer"] = (f"{version} {fi_rows[0]['flashinfer_backend']}, "
-                             f"{fi_rows[0]['flashinfer_timing']}")
-        out["max_diff_flashinfer_vs_triton"] = max(r["flashinfer_max_diff"] for r in fi_rows)
+    if flashinfer:
+        import flashinfer as package
+
+        out["flashinfer"] = package.__version__
+        out["max_diff_flashinfer_vs_triton"] = max(r["flashinfer_max_diff"] for r in rows
+                                                   if "flashinfer_max_diff" in r)
     return out
 
 
@@ -242,7 +192,8 @@ def report(res: dict) -> str:
         lines += [f"## Attention ({heads} heads, latent {latent} + rope {rope}, graph-replayed;"
                   f" max |Triton - SDPA| {att['max_err_vs_sdpa']:.2g})", ""]
         if fi:
-            lines += [f"FlashInfer {att['flashinfer']}: decode rows on the same pages and "
+            lines += [f"FlashInfer {att['flashinfer']} (the engine's decode path, "
+                      "`attention/flashinfer_mla.py`): decode rows on the same pages and "
                       f"queries, max |FlashInfer - Triton| "
                       f"{att['max_diff_flashinfer_vs_triton']:.2g}.", ""]
         lines += ["| step | context | batch | ms | latent TB/s | TFLOP/s |"
@@ -280,8 +231,6 @@ def main() -> None:
     ap.add_argument("--model-batches", default="1,32")
     ap.add_argument("--sections", default="attention,model")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--flashinfer-backend", choices=("auto", "fa2", "fa3", "off"), default="auto",
-                    help="FlashInfer's MLA backend for the comparison (auto: fa3 on sm_90a)")
     ap.add_argument("--out", type=Path, required=True, help="markdown report (JSON beside it)")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]

@@ -11,6 +11,15 @@ import torch
 from flashtree.kv.cache import KVCache
 
 
+@dataclass(frozen=True)
+class HostLayout:
+    """A batch's KV lengths and page tables as host lists, for a backend that plans on the host
+    (FlashInfer's); the device tensors of AttentionMetadata are never read back for it."""
+
+    kv_lens: list[int]
+    page_tables: list[list[int]]
+
+
 @dataclass
 class AttentionMetadata:
     """Layout of the new tokens of one forward pass, packed sequence after sequence.
@@ -38,6 +47,8 @@ class AttentionMetadata:
     # scratch slot, their outputs are unspecified) and nothing here reads device data. Only
     # backends that need no host-side plan (TritonBackend) accept it.
     padded: bool = False
+    # The same lengths and page tables on the host, where the batch was built there.
+    host_layout: HostLayout | None = None
 
     def __post_init__(self) -> None:
         n = self.kv_lens.shape[0]
@@ -85,6 +96,11 @@ class AttentionBackend(ABC):
         Writes k, v into the cache at the slots of the current forward first."""
         self.cache.write(layer, self.slot_mapping, k, v)
         return self.attend(layer, q)
+
+    def before_replay(self, batch: int, meta: AttentionMetadata) -> None:
+        """Runs before a CUDA graph captured at `batch` requests replays the forward of `meta`
+        (copied into the graph's buffers): where a backend plans on the host, it plans here."""
+        return None  # the kernels here read everything from the device
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:

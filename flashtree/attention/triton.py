@@ -18,6 +18,7 @@ triton to run it on CPU tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -32,6 +33,9 @@ from flashtree.attention.triton_common import (
 )
 from flashtree.attention.triton_mla import latent_attention_kernel, latent_tile
 from flashtree.kv.cache import KVCache
+
+if TYPE_CHECKING:
+    from flashtree.attention.flashinfer_mla import LatentDecode
 
 _MAX_AUTO_SPLITS = 16
 
@@ -159,11 +163,12 @@ class TritonBackend(AttentionBackend):
     giving about two waves of programs over the SMs (1 off CUDA). It depends only on launch
     sizes, so a captured graph and an eager run of one batch shape reduce in the same order.
     `max_block_m` caps the query rows per tile: larger trees times the GQA group re-read the
-    context once per extra tile."""
+    context once per extra tile. `latent_decode` (FlashInfer's, `flashinfer_mla.py`) takes the
+    latent forwards of one query row per request where it applies."""
 
     def __init__(
         self, cache: KVCache, num_splits: int | None = None, max_block_m: int = 64,
-        block_n: int = 32, num_warps: int = 4,
+        block_n: int = 32, num_warps: int = 4, latent_decode: LatentDecode | None = None,
     ) -> None:
         super().__init__(cache)
         assert (num_splits is None or num_splits >= 1) and block_n >= 16 and max_block_m >= 16, (
@@ -171,6 +176,7 @@ class TritonBackend(AttentionBackend):
         )
         self.num_splits, self.max_block_m, self.block_n = num_splits, max_block_m, block_n
         self.num_warps = num_warps
+        self.latent_decode = latent_decode
         device = cache.k.device
         self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                          if device.type == "cuda" else 0)
@@ -199,6 +205,12 @@ class TritonBackend(AttentionBackend):
             f"new_token_mask: {mask.dtype} with strides {mask.stride()}"
         )
         self.launch = _Launch(meta, meta.kv_lens if mask is None else mask.view(torch.uint8))
+        if self.latent_decode is not None:
+            self.latent_decode.select(meta)
+
+    def before_replay(self, batch: int, meta: AttentionMetadata) -> None:
+        if self.latent_decode is not None:
+            self.latent_decode.before_replay(batch, meta)
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -217,6 +229,10 @@ class TritonBackend(AttentionBackend):
         head serves all query heads, so a tile reads each latent page once for 64 query rows."""
         self.cache.write(layer, self.slot_mapping, latent, None)
         kv = self.cache.k[layer]  # [slots, 1, latent_dim]
+        if self.latent_decode is not None:
+            out = self.latent_decode.run(q, kv, scale)
+            if out is not None:
+                return out
         launch = self.launch
         meta = launch.meta
         n, heads, tail = meta.num_seqs, q.shape[1], q.shape[2] - v_dim

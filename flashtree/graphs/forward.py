@@ -1,7 +1,7 @@
 """The fixed-shape forwards a GraphRunner captures, and the bridge from an eager ForwardBatch to
 the schema's inputs. Both forwards read only the static buffers, build their attention metadata
-in the padded layout (no host read of device data) and need a backend without a host-side plan
-(TritonBackend)."""
+in the padded layout (no host read of device data) and need a backend that plans nothing on the
+host inside the forward (TritonBackend; its FlashInfer decode plans in `before_replay`)."""
 
 from __future__ import annotations
 

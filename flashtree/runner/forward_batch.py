@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtree.attention.backend import AttentionMetadata
+from flashtree.attention.backend import AttentionMetadata, HostLayout
 from flashtree.kv.cache import PageTables
 from flashtree.transfer import lists_to_device
 
@@ -111,5 +111,6 @@ class ForwardBatch:
             new_token_mask=new_token_mask,
             causal=causal,
             sliding_window=sliding_window,
+            host_layout=HostLayout(kv_lens, tables),
         )
         return ForwardBatch(mode, input_ids, positions_t, attn, logit_rows)

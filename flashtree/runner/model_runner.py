@@ -40,8 +40,9 @@ class ModelRunner:
                        shapes: Iterable[tuple[GraphMode, int, int]],
                        context_writer: ContextWriter | None = None) -> None:
         """Capture the target forward for every (mode, tokens per request, max rows) in
-        `shapes` at every batch bucket of at most that many token rows. Needs a backend
-        without a host-side plan and a cache slot no request owns (dims.scratch_slot).
+        `shapes` at every batch bucket of at most that many token rows. Needs a backend that
+        plans on the host only in `before_replay`, and a cache slot no request owns
+        (dims.scratch_slot).
         `context_writer`: replayed decode steps and prompt chunks write the drafter's context
         themselves and return no features (`TargetForward`); eager ones still return them."""
         forward = TargetForward(self.model, self.backend, self.capture_layers,
@@ -90,6 +91,7 @@ class ModelRunner:
         key = self.graphs.bucket(mode, batch.attn.num_seqs, batch.attn.max_query_len)
         if key is None:
             return None
+        self.backend.before_replay(key.batch, batch.attn)
         logits, features = self.graphs.replay(key, batch.attn.num_seqs, graph_inputs(batch))
         logits = logits[: batch.logit_rows.shape[0]].clone()
         if features is not None:

@@ -1,0 +1,134 @@
+"""FlashInfer's MLA decode kernel (FA3 on Hopper) for forwards where every request has one
+query row: an optional GPU dependency (`pip install "flashtree[flashinfer]"`), measured
+2.2-2.8x faster than the Triton latent kernel at decode (benchmarks/results/2026-12-05-mla-gpu.md).
+Verification and prefill stay on the Triton kernel: FlashInfer's MLA has no tree masks.
+
+Its wrapper plans on the host from the step's lengths and page tables (`HostLayout`): before
+the first layer of an eager step, and before each replay of a CUDA graph, into the fixed
+buffers the graph reads (one wrapper per captured batch size). Set FLASHTREE_FLASHINFER=0 to
+keep every forward on the Triton kernel."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flashtree.attention.backend import AttentionMetadata, HostLayout
+from flashtree.kv.cache import KVCache
+
+LATENT, ROPE = 512, 64  # the widths FlashInfer's MLA kernels are built for (DeepSeek-V3, Kimi)
+HEADS = (16, 32, 64, 128)  # query heads per GPU its MLA tiles take (16, 64 and 128 tested)
+_WORKSPACE_BYTES = 128 << 20
+
+
+def latent_decode_for(cache: KVCache) -> LatentDecode | None:
+    """FlashInfer's MLA decode over `cache` where it applies: a CUDA key-only latent cache of
+    512 + 64 columns in bf16 or fp16, with flashinfer importable and not switched off."""
+    if (os.environ.get("FLASHTREE_FLASHINFER", "1") == "0" or cache.v is not None
+            or cache.k.device.type != "cuda" or cache.k.shape[-1] != LATENT + ROPE
+            or cache.k.dtype not in (torch.bfloat16, torch.float16)):
+        return None
+    try:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401
+    except Exception:  # not installed, or its import failed on this machine: Triton does it
+        return None
+    return LatentDecode(cache)
+
+
+class LatentDecode:
+    """The wrappers of one latent cache: an eager one, and one per captured batch size whose
+    buffers a graph reads. `select` picks the wrapper of a forward (at `begin_forward`),
+    `run` plans it on its first layer call where it is not planned yet and attends."""
+
+    def __init__(self, cache: KVCache) -> None:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        self._wrapper_cls = BatchMLAPagedAttentionWrapper
+        self.cache = cache
+        device = cache.k.device
+        # Partial results of one run at a time: all wrappers share it (runs never overlap).
+        self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._eager = BatchMLAPagedAttentionWrapper(self._workspace)
+        self._graphs: dict[int, object] = {}  # batch size -> wrapper with fixed buffers
+        self._planned: set[int] = set()  # batch sizes whose graph wrapper a graph runs
+        self._plan_args: tuple[int, float] | None = None  # (heads, scale): seen on a layer call
+        # This forward's (graph batch size or None when eager, wrapper, layout to plan first).
+        self._current: tuple[int | None, object, HostLayout | None] | None = None
+
+    def select(self, meta: AttentionMetadata) -> None:
+        """Take `meta`'s forward when every request has one query row: eagerly planned from
+        its host layout, or (a graph's padded metadata) on the batch size's fixed buffers,
+        planned before each replay (`before_replay`); other forwards stay with the Triton
+        kernel."""
+        self._current = None
+        if meta.max_query_len != 1 or meta.new_token_mask is not None:
+            return
+        if meta.padded:
+            batch = meta.num_seqs
+            wrapper = self._graph_wrapper(batch, meta.page_tables.shape[1])
+            # Planned once on a dummy layout before its capture (warm-up runs come first).
+            self._current = (batch, wrapper, None if batch in self._planned else
+                             HostLayout([1] * batch, [[0]] * batch))
+        elif meta.host_layout is not None:
+            self._current = (None, self._eager, meta.host_layout)
+
+    def before_replay(self, batch: int, meta: AttentionMetadata) -> None:
+        """Plan the wrapper that the graph of `batch` requests reads, for the real batch of
+        `meta` (its requests first, then padding). Nothing where that graph does not use it."""
+        if batch not in self._planned or meta.max_query_len != 1 or meta.new_token_mask is not None:
+            return
+        assert meta.host_layout is not None, "a replay through FlashInfer needs the host layout"
+        pad = batch - meta.num_seqs
+        layout = meta.host_layout
+        self._plan(self._graphs[batch], HostLayout(layout.kv_lens + [1] * pad,
+                                                   layout.page_tables + [[0]] * pad))
+
+    def run(self, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """Attention of q [num_tokens, heads, 512 + 64] over the layer's latent cache kv
+        [slots, 1, 512 + 64] -> [num_tokens, heads, 512], or None where this forward or these
+        heads are not FlashInfer's."""
+        if self._current is None or q.shape[1] not in HEADS or q.dtype != kv.dtype:
+            return None
+        batch, wrapper, layout = self._current
+        self._plan_args = (q.shape[1], scale)
+        if layout is not None:
+            self._plan(wrapper, layout)
+            self._current = (batch, wrapper, None)
+            if batch is not None:
+                self._planned.add(batch)
+        page = self.cache.page_size
+        paged = kv.view(-1, page, LATENT + ROPE)  # [pages, page, 512 + 64]
+        out = q.new_empty(q.shape[0], q.shape[1], LATENT)
+        wrapper.run(q[..., :LATENT], q[..., LATENT:], paged[..., :LATENT], paged[..., LATENT:],
+                    out=out)
+        return out
+
+    def _graph_wrapper(self, batch: int, max_pages: int):
+        if batch not in self._graphs:
+            device = self.cache.k.device
+
+            def buffer(n: int) -> torch.Tensor:
+                return torch.zeros(n, dtype=torch.int32, device=device)
+
+            self._graphs[batch] = self._wrapper_cls(
+                self._workspace, use_cuda_graph=True, qo_indptr=buffer(batch + 1),
+                kv_indptr=buffer(batch + 1), kv_indices=buffer(batch * max_pages),
+                kv_len_arr=buffer(batch))
+        return self._graphs[batch]
+
+    def _plan(self, wrapper, layout: HostLayout) -> None:
+        """Plan `wrapper` for one query row per request over `layout`'s keys."""
+        assert self._plan_args is not None, "planned before any layer call told heads and scale"
+        heads, scale = self._plan_args
+        page = self.cache.page_size
+        pages = [-(-n // page) for n in layout.kv_lens]
+        indices = [p for table, k in zip(layout.page_tables, pages) for p in table[:k]]
+        starts = [0]
+        for k in pages:
+            starts.append(starts[-1] + k)
+        ints = dict(dtype=torch.int32)
+        dtype = self.cache.k.dtype
+        wrapper.plan(torch.arange(len(pages) + 1, **ints), torch.tensor(starts, **ints),
+                     torch.tensor(indices, **ints), torch.tensor(layout.kv_lens, **ints), heads,
+                     LATENT, ROPE, page, False, scale, dtype, dtype)
