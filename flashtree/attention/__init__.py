@@ -6,9 +6,9 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "SdpaBackend", "make_backend
 
 
 def make_backend(cache: KVCache) -> AttentionBackend:
-    """The Triton paged-attention kernel on CUDA, MLA's key-only latent caches included (no
-    host-side plan: CUDA graphs can capture it), with FlashInfer's MLA decode where it is
-    installed and applies; the SDPA reference on CPU."""
+    """The Triton paged-attention kernels on CUDA, MLA's key-only latent caches included
+    (nothing planned on the host: CUDA graphs capture them), with FlashInfer's MLA decode where
+    it is installed and applies (planned before each replay); the SDPA reference on CPU."""
     if cache.k.device.type == "cuda":
         from flashtree.attention.flashinfer_mla import latent_decode_for
         from flashtree.attention.triton import TritonBackend  # triton ships with CUDA torch

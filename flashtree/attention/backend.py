@@ -45,9 +45,10 @@ class AttentionMetadata:
     sliding_window: int | None = None
     # A captured graph's static layout: rows past query_start[-1] are padding (their K/V go to a
     # scratch slot, their outputs are unspecified) and nothing here reads device data. Only
-    # backends that need no host-side plan (TritonBackend) accept it.
+    # backends that plan nothing on the host inside the forward (TritonBackend) accept it.
     padded: bool = False
-    # The same lengths and page tables on the host, where the batch was built there.
+    # The same lengths and page tables on the host, where the batch was built there (the page
+    # tables' own lists: read them within the step).
     host_layout: HostLayout | None = None
 
     def __post_init__(self) -> None:
@@ -97,9 +98,10 @@ class AttentionBackend(ABC):
         self.cache.write(layer, self.slot_mapping, k, v)
         return self.attend(layer, q)
 
-    def before_replay(self, batch: int, meta: AttentionMetadata) -> None:
-        """Runs before a CUDA graph captured at `batch` requests replays the forward of `meta`
-        (copied into the graph's buffers): where a backend plans on the host, it plans here."""
+    def before_replay(self, batch: int, tokens: int, meta: AttentionMetadata) -> None:
+        """Runs before a graph captured at `batch` requests of `tokens` rows replays the
+        forward of `meta` (copied into the graph's buffers): where a backend plans on the host,
+        it plans here."""
         return None  # the kernels here read everything from the device
 
     @abstractmethod

@@ -3,10 +3,11 @@ query row: an optional GPU dependency (`pip install "flashtree[flashinfer]"`), m
 2.2-2.8x faster than the Triton latent kernel at decode (benchmarks/results/2026-12-05-mla-gpu.md).
 Verification and prefill stay on the Triton kernel: FlashInfer's MLA has no tree masks.
 
-Its wrapper plans on the host from the step's lengths and page tables (`HostLayout`): before
-the first layer of an eager step, and before each replay of a CUDA graph, into the fixed
-buffers the graph reads (one wrapper per captured batch size). Set FLASHTREE_FLASHINFER=0 to
-keep every forward on the Triton kernel."""
+Its wrapper plans on the host from the step's lengths and page tables (`HostLayout`): at the
+first layer call of an eager step, and before each replay of a CUDA graph, into the fixed
+buffers the graph reads (one wrapper per captured batch size; padding requests keep one query
+row and read one key, since the plan's tiling is baked into the captured launch). Set
+FLASHTREE_FLASHINFER=0 to keep every forward on the Triton kernel."""
 
 from __future__ import annotations
 
@@ -51,7 +52,10 @@ class LatentDecode:
         self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._eager = BatchMLAPagedAttentionWrapper(self._workspace)
         self._graphs: dict[int, object] = {}  # batch size -> wrapper with fixed buffers
-        self._planned: set[int] = set()  # batch sizes whose graph wrapper a graph runs
+        self._planned: set[int] = set()  # batch sizes whose graph wrapper has been planned
+        # A replay's layout for a batch size whose wrapper is not planned yet (a GraphRunner
+        # running its static buffers eagerly): its forward plans it in place of a dummy.
+        self._waiting: dict[int, HostLayout] = {}
         self._plan_args: tuple[int, float] | None = None  # (heads, scale): seen on a layer call
         # This forward's (graph batch size or None when eager, wrapper, layout to plan first).
         self._current: tuple[int | None, object, HostLayout | None] | None = None
@@ -68,27 +72,34 @@ class LatentDecode:
             batch = meta.num_seqs
             wrapper = self._graph_wrapper(batch, meta.page_tables.shape[1])
             # Planned once on a dummy layout before its capture (warm-up runs come first).
+            dummy = HostLayout([1] * batch, [[0]] * batch)
             self._current = (batch, wrapper, None if batch in self._planned else
-                             HostLayout([1] * batch, [[0]] * batch))
+                             self._waiting.pop(batch, dummy))
         elif meta.host_layout is not None:
             self._current = (None, self._eager, meta.host_layout)
 
-    def before_replay(self, batch: int, meta: AttentionMetadata) -> None:
-        """Plan the wrapper that the graph of `batch` requests reads, for the real batch of
-        `meta` (its requests first, then padding). Nothing where that graph does not use it."""
-        if batch not in self._planned or meta.max_query_len != 1 or meta.new_token_mask is not None:
+    def before_replay(self, batch: int, tokens: int, meta: AttentionMetadata) -> None:
+        """Plan the wrapper that the graph of `batch` requests of `tokens` rows reads, for the
+        real batch of `meta` (its requests first, then padding): only graphs of one row per
+        request run FlashInfer."""
+        if tokens != 1:
             return
         assert meta.host_layout is not None, "a replay through FlashInfer needs the host layout"
         pad = batch - meta.num_seqs
-        layout = meta.host_layout
-        self._plan(self._graphs[batch], HostLayout(layout.kv_lens + [1] * pad,
-                                                   layout.page_tables + [[0]] * pad))
+        layout = HostLayout(meta.host_layout.kv_lens + [1] * pad,
+                            meta.host_layout.page_tables + [[0]] * pad)
+        if batch in self._planned:
+            self._plan(self._graphs[batch], layout)
+        else:
+            self._waiting[batch] = layout
 
-    def run(self, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor | None:
+    def run(self, q: torch.Tensor, kv: torch.Tensor, v_dim: int, scale: float
+            ) -> torch.Tensor | None:
         """Attention of q [num_tokens, heads, 512 + 64] over the layer's latent cache kv
-        [slots, 1, 512 + 64] -> [num_tokens, heads, 512], or None where this forward or these
-        heads are not FlashInfer's."""
-        if self._current is None or q.shape[1] not in HEADS or q.dtype != kv.dtype:
+        [slots, 1, 512 + 64] whose first v_dim columns are the values -> [num_tokens, heads,
+        512], or None where this forward, these heads or widths are not FlashInfer's."""
+        if (self._current is None or q.shape[1] not in HEADS or q.dtype != kv.dtype
+                or v_dim != LATENT or q.shape[2] != LATENT + ROPE):
             return None
         batch, wrapper, layout = self._current
         self._plan_args = (q.shape[1], scale)

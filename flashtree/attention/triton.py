@@ -8,7 +8,7 @@ tree node) read each context page once. Context keys are streamed through the pa
 an online softmax and no mask beyond bounds (and the window); then the last split streams the
 new-token block, where the causal rule, the new-token mask or nothing (bidirectional) decides
 visibility. With several splits (flash-decoding) each writes a partial (acc, max, sum) and a
-second kernel merges them.
+second kernel merges them. MLA's latent cache has a kernel of its own (`triton_mla.py`).
 
 Everything the kernels read is a device tensor and every launch size is a host constant of the
 forward (request count, max query length, heads), never a value read back from the device: the
@@ -28,6 +28,7 @@ from flashtree.attention.backend import AttentionBackend, AttentionMetadata
 from flashtree.attention.triton_common import (
     LOG2E,
     NO_SCORE,
+    key_range,
     merge_splits,
     new_token_visibility,
 )
@@ -82,30 +83,16 @@ def _paged_attention_kernel(
     page_row = page_tables_ptr + b * stride_pb
     offs_n = tl.arange(0, BLOCK_N)
 
-    # Context keys [lo, ctx_len): visible to every row (within the window). Keys before
+    # Context keys [lo, ctx_len) are visible to every row (within the window); keys before
     # ctx_len - window + 1 are outside every row's window.
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx_len - window + 1, 0)
-    chunk = tl.cdiv(tl.cdiv(ctx_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    c_begin = lo + split * chunk
-    c_end = tl.minimum(c_begin + chunk, ctx_len)
-    # New-token keys [ctx_len, n_end), streamed by the last split only. A causal tile's last
-    # row is token `last_tok`, so keys past it are hidden from the whole tile.
-    n_end = kv_len
-    if CAUSAL and not HAS_MASK:
-        last_tok = (mt * BLOCK_M + BLOCK_M - 1) // GROUP
-        n_end = tl.minimum(kv_len, ctx_len + last_tok + 1)
-    if split != NUM_SPLITS - 1:
-        n_end = ctx_len
+    last_tok = (mt * BLOCK_M + BLOCK_M - 1) // GROUP
 
     for phase in tl.static_range(2):
-        if phase == 0:
-            k_begin = c_begin
-            k_end = c_end
-        else:
-            k_begin = ctx_len
-            k_end = n_end
+        k_begin, k_end = key_range(phase, split, lo, ctx_len, kv_len, last_tok, NUM_SPLITS,
+                                   BLOCK_N, CAUSAL, HAS_MASK)
         for start in range(k_begin, k_end, BLOCK_N):
             key = start + offs_n  # [BLOCK_N] logical KV index
             key_ok = key < k_end
@@ -208,9 +195,9 @@ class TritonBackend(AttentionBackend):
         if self.latent_decode is not None:
             self.latent_decode.select(meta)
 
-    def before_replay(self, batch: int, meta: AttentionMetadata) -> None:
+    def before_replay(self, batch: int, tokens: int, meta: AttentionMetadata) -> None:
         if self.latent_decode is not None:
-            self.latent_decode.before_replay(batch, meta)
+            self.latent_decode.before_replay(batch, tokens, meta)
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -230,7 +217,7 @@ class TritonBackend(AttentionBackend):
         self.cache.write(layer, self.slot_mapping, latent, None)
         kv = self.cache.k[layer]  # [slots, 1, latent_dim]
         if self.latent_decode is not None:
-            out = self.latent_decode.run(q, kv, scale)
+            out = self.latent_decode.run(q, kv, v_dim, scale)
             if out is not None:
                 return out
         launch = self.launch
@@ -240,7 +227,7 @@ class TritonBackend(AttentionBackend):
         assert v_dim % 2 == 0, f"latent width {v_dim}: the kernel splits it into two halves"
         assert q.stride(2) == 1 and kv.stride(2) == 1, "the latent must be contiguous"
         assert kv.shape[0] * kv.stride(0) < 2**31, "the kernel offsets a layer's cache in int32"
-        tile = latent_tile(heads, v_dim)
+        tile = latent_tile(v_dim)
         block_m, half = tile["BLOCK_M"], tile["BLOCK_HALF"]
         num_m_tiles = triton.cdiv(meta.max_query_len * heads, block_m)
         # A few requests' tiles are few programs: up to 64 splits, each a handful of key blocks.

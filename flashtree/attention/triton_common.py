@@ -27,6 +27,28 @@ def new_token_visibility(visible, mask_row_ptr, stride_mq, tok, new, distance,
     return visible
 
 
+@triton.jit
+def key_range(phase: tl.constexpr, split, lo, ctx_len, kv_len, last_tok,
+              NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_MASK: tl.constexpr):
+    """[begin, end) of the keys a program streams in `phase`: 0, its split of the context
+    keys [lo, ctx_len) in whole blocks; 1, the new tokens [ctx_len, kv_len), streamed by the
+    last split only and, for a causal tile without a mask, only up to its last row's token
+    `last_tok` (later keys are hidden from the whole tile)."""
+    if phase == 0:
+        chunk = tl.cdiv(tl.cdiv(ctx_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        begin = lo + split * chunk
+        end = tl.minimum(begin + chunk, ctx_len)
+    else:
+        begin = ctx_len
+        end = kv_len
+        if CAUSAL and not HAS_MASK:
+            end = tl.minimum(kv_len, ctx_len + last_tok + 1)
+        if split != NUM_SPLITS - 1:
+            end = ctx_len
+    return begin, end
+
+
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_ptr,

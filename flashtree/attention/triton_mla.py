@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtree.attention.triton_common import NO_SCORE, new_token_visibility
+from flashtree.attention.triton_common import NO_SCORE, key_range, new_token_visibility
 
 
 @triton.jit
@@ -77,22 +77,10 @@ def latent_attention_kernel(
     page_row = page_tables_ptr + b * stride_pb
     offs_n = tl.arange(0, BLOCK_N)
 
-    chunk = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    c_begin = split * chunk
-    c_end = tl.minimum(c_begin + chunk, ctx_len)
-    n_end = kv_len
-    if CAUSAL and not HAS_MASK:
-        n_end = tl.minimum(kv_len, ctx_len + (mt * BLOCK_M + BLOCK_M - 1) // HEADS + 1)
-    if split != NUM_SPLITS - 1:
-        n_end = ctx_len
-
+    last_tok = (mt * BLOCK_M + BLOCK_M - 1) // HEADS
     for phase in tl.static_range(2):
-        if phase == 0:
-            k_begin = c_begin
-            k_end = c_end
-        else:
-            k_begin = ctx_len
-            k_end = n_end
+        k_begin, k_end = key_range(phase, split, 0, ctx_len, kv_len, last_tok, NUM_SPLITS,
+                                   BLOCK_N, CAUSAL, HAS_MASK)
         for start in range(k_begin, k_end, BLOCK_N):
             key = start + offs_n
             key_ok = key < k_end
@@ -137,9 +125,9 @@ def latent_attention_kernel(
         tl.store(part_l_ptr + part * BLOCK_M + r, l_i)
 
 
-def latent_tile(heads: int, v_dim: int) -> dict:
-    """Launch constants of the latent kernel for `heads` query heads over `v_dim` value
-    columns: 64 query rows (wgmma's tile) by 64 keys, measured fastest for DeepSeek-V3's 128
-    heads over 512 + 64 columns on an H100."""
+def latent_tile(v_dim: int) -> dict:
+    """Launch constants of the latent kernel over `v_dim` value columns: 64 query rows
+    (wgmma's tile) by 64 keys, measured fastest for DeepSeek-V3's 128 heads over 512 + 64
+    columns on an H100."""
     half = max(16, triton.next_power_of_2(v_dim // 2))
     return dict(BLOCK_HALF=half, BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)

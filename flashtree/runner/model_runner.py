@@ -91,7 +91,7 @@ class ModelRunner:
         key = self.graphs.bucket(mode, batch.attn.num_seqs, batch.attn.max_query_len)
         if key is None:
             return None
-        self.backend.before_replay(key.batch, batch.attn)
+        self.backend.before_replay(key.batch, key.tokens, batch.attn)
         logits, features = self.graphs.replay(key, batch.attn.num_seqs, graph_inputs(batch))
         logits = logits[: batch.logit_rows.shape[0]].clone()
         if features is not None:

@@ -83,6 +83,18 @@ def make_case(
     return Case(batch.attn, cache, rand(kv_heads * q_per_kv), rand(kv_heads), rand(kv_heads))
 
 
+def decode_metadata(contexts: list[int], page_size: int, num_pages: int, device: str
+                    ) -> AttentionMetadata:
+    """One decode step's metadata: requests of `contexts` cached tokens and one new token
+    each, their pages interleaved in a pool of `num_pages`."""
+    pages = PageTables(num_pages, page_size)
+    for length in range(page_size, max(contexts) + 1 + page_size, page_size):
+        for i, c in enumerate(contexts):
+            pages.reserve(i, min(length, c + 1))
+    items = [BatchItem(i, c, [0]) for i, c in enumerate(contexts)]
+    return ForwardBatch.build(Mode.DECODE, items, pages, torch.device(device)).attn
+
+
 def sdpa_reference(case: Case) -> torch.Tensor:
     backend = SdpaBackend(case.cache)
     backend.begin_forward(case.meta)

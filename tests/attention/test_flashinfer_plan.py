@@ -6,7 +6,6 @@ kernel itself is compared on the GPU (tests/gpu/test_flashinfer_mla_cuda.py)."""
 
 from __future__ import annotations
 
-import random
 import sys
 import types
 
@@ -15,8 +14,8 @@ import torch
 
 from flashtree.attention.backend import AttentionBackend, AttentionMetadata
 from flashtree.attention.sdpa import SdpaBackend
-from flashtree.kv.cache import KVCache, PageTables
-from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
+from flashtree.kv.cache import KVCache
+from tests.attention.cases import decode_metadata
 
 LATENT, ROPE, PAGE, POOL, HEADS = 512, 64, 4, 64, 16
 
@@ -65,13 +64,7 @@ def reference_flashinfer(monkeypatch):
 
 def decode_case(seed: int, contexts: list[int]):
     """One decode step over requests of `contexts` cached tokens, pages interleaved."""
-    rng = random.Random(seed)
-    pages = PageTables(POOL, PAGE)
-    for length in range(PAGE, max(contexts) + 1 + PAGE, PAGE):
-        for i, c in enumerate(contexts):
-            pages.reserve(i, min(length, c + 1))
-    items = [BatchItem(i, c, [rng.randrange(9)]) for i, c in enumerate(contexts)]
-    meta = ForwardBatch.build(Mode.DECODE, items, pages, torch.device("cpu")).attn
+    meta = decode_metadata(contexts, PAGE, POOL, "cpu")
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache(1, POOL, PAGE, 1, LATENT + ROPE, torch.float32, torch.device("cpu"),
                     v_head_dim=0)
@@ -107,12 +100,12 @@ def flashinfer_backend(cache: KVCache) -> AttentionBackend:
         def attend(self, layer, q):
             raise AssertionError("a latent cache attends through forward_latent")
 
-        def before_replay(self, batch: int, meta: AttentionMetadata) -> None:
-            self.latent_decode.before_replay(batch, meta)
+        def before_replay(self, batch: int, tokens: int, meta: AttentionMetadata) -> None:
+            self.latent_decode.before_replay(batch, tokens, meta)
 
         def forward_latent(self, layer, q, latent, v_dim, scale):
             self.cache.write(layer, self.slot_mapping, latent, None)
-            out = self.latent_decode.run(q, self.cache.k[layer], scale)
+            out = self.latent_decode.run(q, self.cache.k[layer], v_dim, scale)
             assert out is not None, "FlashInfer's decode did not take the forward"
             return out
 
@@ -128,27 +121,48 @@ def test_eager_steps_plan_from_the_host_layout():
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_a_graph_batch_is_planned_before_each_replay_with_padding():
-    """Captured at 4 requests (planned once on a dummy layout), then run for 3 and 2 others
-    after `before_replay`: their rows equal SDPA's, the padding requests read one key."""
+def replayed(backend, static: AttentionMetadata, seed: int, contexts: list[int], q, new):
+    """A replay of the static 4-request forward for the requests of `contexts` (the rest
+    padding), planned by `before_replay` -> (its rows of the real requests, SDPA's)."""
+    real, real_cache, real_q, real_new = decode_case(seed, contexts)
+    context = real_cache.k.clone()
+    want = attend(SdpaBackend(real_cache), real, context, real_q, real_new)
+    n = len(contexts)
+    backend.before_replay(4, 1, real)
+    backend.cache.k.copy_(context)
+    backend.begin_forward(static)  # as the graph replays: the static metadata
+    slots = backend.slot_mapping
+    slots[:n] = real.slot_mapping
+    slots[n:] = (POOL - 1) * PAGE  # padding rows write an unowned page
+    got = backend.forward_latent(0, torch.cat([real_q, q[n:]]), torch.cat([real_new, new[n:]]),
+                                 LATENT, (LATENT + ROPE) ** -0.5)
+    return got[:n], want
+
+
+def static_case():
     meta, cache, q, new = decode_case(0, [9, 2, 30, 12])
     static = AttentionMetadata(meta.query_start, meta.kv_lens, meta.slot_mapping.clone(),
                                torch.zeros(4, POOL, dtype=torch.int64), 1, POOL * PAGE,
                                padded=True)
+    return static, cache, q, new
+
+
+def test_a_graph_batch_is_planned_before_each_replay_with_padding():
+    """Captured at 4 requests (planned once on a dummy layout), then run for 3 and 2 others
+    after `before_replay`: their rows equal SDPA's, the padding requests read one key."""
+    static, cache, q, new = static_case()
     backend = flashinfer_backend(cache)
     attend(backend, static, cache.k.clone(), q, new)  # the capture's warm-up
     for seed, contexts in ((1, [40, 1, 17]), (2, [60, 33])):
-        real, real_cache, real_q, real_new = decode_case(seed, contexts)
-        context = real_cache.k.clone()
-        want = attend(SdpaBackend(real_cache), real, context, real_q, real_new)
-        n = len(contexts)
-        backend.before_replay(4, real)
-        backend.cache.k.copy_(context)
-        backend.begin_forward(static)  # as the graph replays: the static metadata
-        slots = backend.slot_mapping
-        slots[:n] = real.slot_mapping
-        slots[n:] = (POOL - 1) * PAGE  # padding rows write an unowned page
-        pad_q = torch.cat([real_q, q[n:]])
-        pad_new = torch.cat([real_new, new[n:]])
-        got = backend.forward_latent(0, pad_q, pad_new, LATENT, (LATENT + ROPE) ** -0.5)
-        torch.testing.assert_close(got[:n], want, atol=2e-5, rtol=2e-5)
+        got, want = replayed(backend, static, seed, contexts, q, new)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_static_buffers_run_without_a_capture_plan_from_the_first_replay():
+    """A GraphRunner without CUDA graphs runs the static forward eagerly at each replay: its
+    first one is planned from the real batch, not the capture's dummy layout."""
+    static, cache, q, new = static_case()
+    backend = flashinfer_backend(cache)
+    for seed, contexts in ((1, [40, 1, 17]), (2, [60, 33])):
+        got, want = replayed(backend, static, seed, contexts, q, new)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -7,7 +7,6 @@ CUDA or without flashinfer."""
 from __future__ import annotations
 
 import importlib.util
-import random
 
 import pytest
 import torch
@@ -20,9 +19,8 @@ from flashtree.attention.backend import AttentionMetadata  # noqa: E402
 from flashtree.attention.flashinfer_mla import LATENT, ROPE, LatentDecode  # noqa: E402
 from flashtree.attention.sdpa import SdpaBackend  # noqa: E402
 from flashtree.attention.triton import TritonBackend  # noqa: E402
-from flashtree.kv.cache import KVCache, PageTables  # noqa: E402
-from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode  # noqa: E402
-from tests.attention.cases import assert_close  # noqa: E402
+from flashtree.kv.cache import KVCache  # noqa: E402
+from tests.attention.cases import assert_close, decode_metadata  # noqa: E402
 
 PAGE, POOL = 16, 160
 
@@ -30,13 +28,7 @@ PAGE, POOL = 16, 160
 def decode_case(seed: int, contexts: list[int], heads: int):
     """One decode step of requests with `contexts` cached tokens each (pages interleaved in a
     pool of POOL pages) -> (metadata, latent cache, q, the new tokens' latents)."""
-    rng = random.Random(seed)
-    pages = PageTables(POOL, PAGE)
-    for length in range(PAGE, max(contexts) + 1 + PAGE, PAGE):
-        for i, c in enumerate(contexts):
-            pages.reserve(i, min(length, c + 1))
-    items = [BatchItem(i, c, [rng.randrange(9)]) for i, c in enumerate(contexts)]
-    meta = ForwardBatch.build(Mode.DECODE, items, pages, torch.device("cuda")).attn
+    meta = decode_metadata(contexts, PAGE, POOL, "cuda")
     gen = torch.Generator("cuda").manual_seed(seed)
     cache = KVCache(1, POOL, PAGE, 1, LATENT + ROPE, torch.bfloat16, torch.device("cuda"),
                     v_head_dim=0)
@@ -63,8 +55,8 @@ def flashinfer_backend(cache: KVCache) -> tuple[TritonBackend, list[int]]:
     runs: list[int] = []
     run = decode.run
 
-    def counted(q, kv, scale):
-        out = run(q, kv, scale)
+    def counted(q, kv, v_dim, scale):
+        out = run(q, kv, v_dim, scale)
         runs.extend([] if out is None else [q.shape[0]])
         return out
 
@@ -118,7 +110,7 @@ def test_graph_replay_plans_the_real_batch():
     q[:n].copy_(b_q)
     new[:n].copy_(b_new)
     cache.k.copy_(b_cache.k)
-    backend.before_replay(4, b_meta)
+    backend.before_replay(4, 1, b_meta)
     graph.replay()
     assert len(runs) == 2, runs  # warm-up and capture went through FlashInfer
     assert_close(out[:n], expected, "FlashInfer graph replay")

@@ -141,7 +141,7 @@ def test_packed_weights_are_cached_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf, "_pack_from_file", lambda *a: pytest.fail("packed again"))
     second = LLM(**kw)
     want, got = _packed_tensors(first.model), _packed_tensors(second.model)
-    assert sorted(got) == sorted(want) and len(want) == 4 * 30 + 2  # 4 linears a layer
+    assert sorted(got) == sorted(want) and len(want) == 2 * (4 * 30 + 2)  # 4 linears a layer
     assert all(torch.equal(got[k], want[k]) for k in want)
     model = second.model
     assert model.embed_tokens.weight is None and model.lm_head.packed is model.embed_tokens.packed
@@ -152,11 +152,13 @@ def test_packed_weights_are_cached_and_read_back(tmp_path, monkeypatch):
 
 
 def _packed_tensors(model) -> dict[str, torch.Tensor]:
-    """Every packed code tensor of `model`: its linear layers' and the embedding's two planes."""
-    tensors = {name: m.int4.packed for name, m in model.named_modules()
-               if getattr(m, "int4", None) is not None}
-    planes = model.embed_tokens.packed
-    return {**tensors, "embed.high": planes.high.packed, "embed.low": planes.low.packed}
+    """Every packed tensor of `model` (codes, scales and zeros): its linear layers' and the
+    embedding's two planes."""
+    tensors = {}
+    for name, m in model.named_modules():
+        if getattr(m, "int4", None) is not None:
+            tensors.update(m.int4.state(name))
+    return {**tensors, **model.embed_tokens.packed.state("embed")}
 
 
 def test_int4_is_refused_where_it_does_not_apply(tiny_chat_model):

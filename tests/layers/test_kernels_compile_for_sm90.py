@@ -139,7 +139,7 @@ def attention_case(mla: bool, tmp_path: Path) -> dict:
                     query_start_ptr="i64", mask_ptr="u8")
     strides = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_ks")
     if mla:
-        tile = latent_tile(128, 512)
+        tile = latent_tile(512)
         num_warps = tile.pop("num_warps")
         tile.pop("num_stages")
         return compile_sm90(latent_attention_kernel,
