@@ -11,7 +11,9 @@ FLASHTREE_FLASHINFER=0 to keep every forward on the Triton kernel."""
 
 from __future__ import annotations
 
+import array
 import os
+from itertools import accumulate, chain
 
 import torch
 
@@ -134,12 +136,14 @@ class LatentDecode:
         heads, scale = self._plan_args
         page = self.cache.page_size
         pages = [-(-n // page) for n in layout.kv_lens]
-        indices = [p for table, k in zip(layout.page_tables, pages) for p in table[:k]]
-        starts = [0]
-        for k in pages:
-            starts.append(starts[-1] + k)
+        # Every used page of every request, each step: built through a C array (half the time
+        # of a list of Python ints at 32 requests of 16k tokens).
+        indices = array.array("i", chain.from_iterable(
+            table[:k] for table, k in zip(layout.page_tables, pages)))
         ints = dict(dtype=torch.int32)
         dtype = self.cache.k.dtype
-        wrapper.plan(torch.arange(len(pages) + 1, **ints), torch.tensor(starts, **ints),
-                     torch.tensor(indices, **ints), torch.tensor(layout.kv_lens, **ints), heads,
-                     LATENT, ROPE, page, False, scale, dtype, dtype)
+        wrapper.plan(torch.arange(len(pages) + 1, **ints),
+                     torch.tensor(list(accumulate(pages, initial=0)), **ints),
+                     torch.frombuffer(indices, dtype=torch.int32),
+                     torch.tensor(layout.kv_lens, **ints), heads, LATENT, ROPE, page, False,
+                     scale, dtype, dtype)
