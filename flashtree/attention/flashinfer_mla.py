@@ -42,25 +42,27 @@ def latent_decode_for(cache: KVCache) -> LatentDecode | None:
 class LatentDecode:
     """The wrappers of one latent cache: an eager one, and one per captured batch size whose
     buffers a graph reads. `select` picks the wrapper of a forward (at `begin_forward`),
-    `run` plans it on its first layer call where it is not planned yet and attends."""
+    `run` plans it on its first layer call where it is not planned yet and attends. Nothing is
+    allocated on the device before a layer with heads FlashInfer takes runs (a model sharded
+    to 8 heads a GPU never uses it)."""
 
     def __init__(self, cache: KVCache) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
         self._wrapper_cls = BatchMLAPagedAttentionWrapper
         self.cache = cache
-        device = cache.k.device
         # Partial results of one run at a time: all wrappers share it (runs never overlap).
-        self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._eager = BatchMLAPagedAttentionWrapper(self._workspace)
+        self._workspace: torch.Tensor | None = None
+        self._eager = None
         self._graphs: dict[int, object] = {}  # batch size -> wrapper with fixed buffers
         self._planned: set[int] = set()  # batch sizes whose graph wrapper has been planned
         # A replay's layout for a batch size whose wrapper is not planned yet (a GraphRunner
         # running its static buffers eagerly): its forward plans it in place of a dummy.
         self._waiting: dict[int, HostLayout] = {}
         self._plan_args: tuple[int, float] | None = None  # (heads, scale): seen on a layer call
-        # This forward's (graph batch size or None when eager, wrapper, layout to plan first).
-        self._current: tuple[int | None, object, HostLayout | None] | None = None
+        # This forward's (graph batch size and page-table width, or None when eager; layout to
+        # plan first).
+        self._current: tuple[tuple[int, int] | None, HostLayout | None] | None = None
 
     def select(self, meta: AttentionMetadata) -> None:
         """Take `meta`'s forward when every request has one query row: eagerly planned from
@@ -72,13 +74,12 @@ class LatentDecode:
             return
         if meta.padded:
             batch = meta.num_seqs
-            wrapper = self._graph_wrapper(batch, meta.page_tables.shape[1])
             # Planned once on a dummy layout before its capture (warm-up runs come first).
             dummy = HostLayout([1] * batch, [[0]] * batch)
-            self._current = (batch, wrapper, None if batch in self._planned else
-                             self._waiting.pop(batch, dummy))
+            self._current = ((batch, meta.page_tables.shape[1]), None if batch in self._planned
+                             else self._waiting.pop(batch, dummy))
         elif meta.host_layout is not None:
-            self._current = (None, self._eager, meta.host_layout)
+            self._current = (None, meta.host_layout)
 
     def before_replay(self, batch: int, tokens: int, meta: AttentionMetadata) -> None:
         """Plan the wrapper that the graph of `batch` requests of `tokens` rows reads, for the
@@ -103,19 +104,31 @@ class LatentDecode:
         if (self._current is None or q.shape[1] not in HEADS or q.dtype != kv.dtype
                 or v_dim != LATENT or q.shape[2] != LATENT + ROPE):
             return None
-        batch, wrapper, layout = self._current
+        graph, layout = self._current
+        wrapper = self._eager_wrapper() if graph is None else self._graph_wrapper(*graph)
         self._plan_args = (q.shape[1], scale)
         if layout is not None:
             self._plan(wrapper, layout)
-            self._current = (batch, wrapper, None)
-            if batch is not None:
-                self._planned.add(batch)
+            self._current = (graph, None)
+            if graph is not None:
+                self._planned.add(graph[0])
         page = self.cache.page_size
         paged = kv.view(-1, page, LATENT + ROPE)  # [pages, page, 512 + 64]
         out = q.new_empty(q.shape[0], q.shape[1], LATENT)
         wrapper.run(q[..., :LATENT], q[..., LATENT:], paged[..., :LATENT], paged[..., LATENT:],
                     out=out)
         return out
+
+    def _shared_workspace(self) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8,
+                                          device=self.cache.k.device)
+        return self._workspace
+
+    def _eager_wrapper(self):
+        if self._eager is None:
+            self._eager = self._wrapper_cls(self._shared_workspace())
+        return self._eager
 
     def _graph_wrapper(self, batch: int, max_pages: int):
         if batch not in self._graphs:
@@ -125,7 +138,7 @@ class LatentDecode:
                 return torch.zeros(n, dtype=torch.int32, device=device)
 
             self._graphs[batch] = self._wrapper_cls(
-                self._workspace, use_cuda_graph=True, qo_indptr=buffer(batch + 1),
+                self._shared_workspace(), use_cuda_graph=True, qo_indptr=buffer(batch + 1),
                 kv_indptr=buffer(batch + 1), kv_indices=buffer(batch * max_pages),
                 kv_len_arr=buffer(batch))
         return self._graphs[batch]

@@ -25,8 +25,11 @@ class ReferenceWrapper:
     takes host index arrays (copied into fixed buffers with use_cuda_graph), run() attends each
     request's query rows over its kv_len keys on the listed pages."""
 
+    made = 0  # wrappers constructed
+
     def __init__(self, workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
                  kv_indices=None, kv_len_arr=None) -> None:
+        ReferenceWrapper.made += 1
         self.fixed = use_cuda_graph
         self.buffers = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
 
@@ -58,6 +61,7 @@ def reference_flashinfer(monkeypatch):
     """`flashinfer.mla` as the reference wrapper (whether or not flashinfer is installed)."""
     mla = types.ModuleType("flashinfer.mla")
     mla.BatchMLAPagedAttentionWrapper = ReferenceWrapper
+    monkeypatch.setattr(ReferenceWrapper, "made", 0)
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
 
@@ -166,3 +170,15 @@ def test_static_buffers_run_without_a_capture_plan_from_the_first_replay():
     for seed, contexts in ((1, [40, 1, 17]), (2, [60, 33])):
         got, want = replayed(backend, static, seed, contexts, q, new)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_heads_it_does_not_take_leave_it_unallocated():
+    """8 query heads a GPU (Kimi K2 over 8 GPUs): the Triton kernel's, and no wrapper or
+    workspace is made for FlashInfer."""
+    from flashtree.attention.flashinfer_mla import LatentDecode
+
+    meta, cache, q, _ = decode_case(0, [9, 2])
+    decode = LatentDecode(cache)
+    decode.select(meta)
+    assert decode.run(q[:, :8], cache.k[0], LATENT, 1.0) is None
+    assert ReferenceWrapper.made == 0
