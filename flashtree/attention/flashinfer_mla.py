@@ -74,10 +74,10 @@ class LatentDecode:
             return
         if meta.padded:
             batch = meta.num_seqs
-            # Planned once on a dummy layout before its capture (warm-up runs come first).
-            dummy = HostLayout([1] * batch, [[0]] * batch)
-            self._current = ((batch, meta.page_tables.shape[1]), None if batch in self._planned
-                             else self._waiting.pop(batch, dummy))
+            layout = None
+            if batch not in self._planned:  # a replay's layout, or (a capture's warm-up) a dummy
+                layout = self._waiting.pop(batch, None) or HostLayout([1] * batch, [[0]] * batch)
+            self._current = ((batch, meta.page_tables.shape[1]), layout)
         elif meta.host_layout is not None:
             self._current = (None, meta.host_layout)
 
@@ -149,8 +149,7 @@ class LatentDecode:
         heads, scale = self._plan_args
         page = self.cache.page_size
         pages = [-(-n // page) for n in layout.kv_lens]
-        # Every used page of every request, each step: built through a C array (half the time
-        # of a list of Python ints at 32 requests of 16k tokens).
+        # Every used page of every request, each step: through a C array, not Python ints.
         indices = array.array("i", chain.from_iterable(
             table[:k] for table, k in zip(layout.page_tables, pages)))
         ints = dict(dtype=torch.int32)

@@ -115,7 +115,7 @@ def latent_attention_kernel(
         _store_columns(out_rows + HALF, acc_hi * inv[:, None], row_ok, HALF, BLOCK_HALF)
     else:
         # Partials as `merge_splits` reads them (one KV head, 2 * BLOCK_HALF columns).
-        part = mt * NUM_SPLITS + split + b * num_m_tiles * NUM_SPLITS
+        part = (b * num_m_tiles + mt) * NUM_SPLITS + split
         r = tl.arange(0, BLOCK_M)
         acc_rows = (part_acc_ptr + (part * BLOCK_M + r) * (2 * BLOCK_HALF))[:, None]
         all_rows = r < BLOCK_M
