@@ -11,9 +11,9 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
-    reason="needs CUDA and flashinfer")
+# Skipped before the imports below: they import triton, which a CPU-only install lacks.
+if not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None:
+    pytest.skip("needs CUDA and flashinfer", allow_module_level=True)
 
 from flashtree.attention.backend import AttentionMetadata  # noqa: E402
 from flashtree.attention.flashinfer_mla import LATENT, ROPE, LatentDecode  # noqa: E402
