@@ -1,5 +1,6 @@
 """Session-wide fixtures: the expensive loads of the embedded default model (about 15 s each
-on a laptop CPU), and a tiny chat model with a drafter for the server and benchmark tests."""
+on a laptop CPU), and a tiny chat model with a drafter for the server and benchmark tests;
+under CI=true a test skipped for a missing triton fails instead."""
 
 from __future__ import annotations
 
@@ -13,11 +14,42 @@ if not torch.cuda.is_available():
     # imported (some test dependencies import it early).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.layers.needs_triton import TRITON_MISSING
 from tests.tiny import save_reference_drafter, save_tiny_llama, save_tiny_qwen3
 
 # The models under test are tiny (or 135M parameters at most): one intra-op thread is faster
 # than two on a 2-core machine, and far faster when another process holds one of the cores.
 torch.set_num_threads(1)
+
+
+def _fails_in_ci(report: pytest.CollectReport | pytest.TestReport) -> bool:
+    """A skip for a missing triton (module level, importorskip, skip mark or in a test) while
+    CI=true: CI must run the kernel tests, so there it is a failure."""
+    return (report.skipped and os.environ.get("CI", "").lower() in ("true", "1")
+            and isinstance(report.longrepr, tuple)
+            and report.longrepr[2] == f"Skipped: {TRITON_MISSING}")
+
+
+def _fail(report: pytest.CollectReport | pytest.TestReport) -> None:
+    report.outcome = "failed"
+    report.longrepr = (f"{TRITON_MISSING}, and CI=true: install the [test] extra, which pins "
+                       "triton, so that CI runs the kernel tests")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    if _fails_in_ci(report):
+        _fail(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if _fails_in_ci(report):
+        _fail(report)
+    return report
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """Random-weight pairs built in memory (flashtree/bench/random_pair.py) and LLM.from_modules:
 the target is decisive and follows its permutation, speculative outputs equal plain decoding
-on it, the drafter's logits spread as asked, and from_modules refuses what it cannot run."""
+on it (and, with a drafter edited to agree, commit the blocks a brute-force walk predicts),
+the drafter's logits spread as asked, and from_modules refuses what it cannot run."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -84,9 +86,68 @@ def test_speculative_outputs_equal_plain_and_follow_the_permutation(pair):
         llm = _llm(pair, spec, spec_policy="fixed")
         outs = llm.generate(PROMPTS, params)
         assert [list(o.outputs[0].token_ids) for o in outs] == plain, spec
-        # The speculative path really ran: every step accepted at least the bonus token.
-        lengths = [n for o in outs for n in o.outputs[0].spec_accept_lengths]
-        assert lengths and all(1 <= n <= BLOCK for n in lengths), (spec, lengths)
+        # The speculative path ran: every decode step verified drafts (one round per request
+        # and step), and the steps' commits account for every token after the prefill's.
+        lengths = [o.outputs[0].spec_accept_lengths for o in outs]
+        assert [sum(n) for n in lengths] == [len(out) - 1 for out in plain], (spec, lengths)
+        stats = llm.engine.speculative.stats
+        assert stats.num_drafts == sum(map(len, lengths)), (spec, stats, lengths)
+
+
+MASK = VOCAB - 1  # the random drafter's mask token
+FIXED = 7  # the token that the agreeing pair's target follows by itself and its drafter drafts
+
+
+@pytest.fixture(scope="module")
+def agreeing_pair(pair):
+    """The pair edited so that the drafter agrees with the target on one token: the target's
+    LM head takes FIXED's embedding as its row FIXED (FIXED is followed by FIXED; the row that
+    had it takes FIXED's old row, still a permutation); the drafter's layers write nothing (its
+    output projections zero), so each slot scores its own input's embedding, and the mask
+    token's embedding is FIXED's: every draft is FIXED."""
+    target, cfg, drafter = copy.deepcopy(pair)
+    with torch.no_grad():
+        head, emb = target.lm_head.weight, target.embed_tokens.weight
+        after = _successor(target)[FIXED].item()
+        head[[FIXED, after]] = head[[after, FIXED]].clone()
+        emb[MASK] = emb[FIXED]
+        for name, p in drafter.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+    return target, cfg, drafter
+
+
+def _commits_of_fixed_drafts(out: list[int]) -> list[int]:
+    """Brute force: the tokens each target forward commits when every draft is FIXED and the
+    target decodes `out` (its first token from the prefill): the drafts matching `out` in a
+    row, up to BLOCK - 1, then the target's own token; the last step cut at the length."""
+    commits, done = [], 1
+    while done < len(out):
+        accepted = 0
+        while accepted < BLOCK - 1 and done + accepted < len(out) and (
+                out[done + accepted] == FIXED):
+            accepted += 1
+        commits.append(min(accepted + 1, len(out) - done))
+        done += commits[-1]
+    return commits
+
+
+def test_drafts_that_agree_commit_whole_blocks(agreeing_pair):
+    """Plain decoding of a prompt ending in FIXED repeats FIXED; speculation, whose drafts are
+    all FIXED, returns plain decoding's tokens while committing whole blocks per target
+    forward, which plain decoding never does; the other prompts' FIXED drafts are rejected."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [PROMPTS[2] + [FIXED], PROMPTS[1], PROMPTS[3]]
+    plain = _llm(agreeing_pair, "none").generate(prompts, params)
+    tokens = [list(o.outputs[0].token_ids) for o in plain]
+    assert tokens[0] == [FIXED] * 30
+    assert all(o.outputs[0].spec_accept_lengths == [1] * 29 for o in plain)
+    expected = [_commits_of_fixed_drafts(out) for out in tokens]
+    assert expected[0] == [BLOCK] * 3 + [5]
+    for spec in ("dflash", "ddtree"):
+        outs = _llm(agreeing_pair, spec, spec_policy="fixed").generate(prompts, params)
+        assert [list(o.outputs[0].token_ids) for o in outs] == tokens, spec
+        assert [o.outputs[0].spec_accept_lengths for o in outs] == expected, spec
 
 
 WIDE = dict(TINY, vocab_size=4096)  # vocab >> hidden: the sample std over the vocab is tight

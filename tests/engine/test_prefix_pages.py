@@ -1,8 +1,8 @@
 """Page bookkeeping of prefix caching (`PageTables` with a `PrefixCache`) under random
-admissions, growth, releases and evictions, against a brute-force model: every page is free,
-held by sequences, or cached and idle, exactly once; a cached page's holders are the tables
-that list it; a match returns the longest run of full pages some request computed with the same
-tokens; idle pages are evicted least recently released first; the pool is whole at the end."""
+admissions, speculative growth, releases and evictions, compared for equality at every step with
+a brute-force model (`prefix_model.py`): the pages each match returns, which pages are cached
+and idle, the free count, the pages each sequence holds and what each eviction takes; plus the
+pool's own invariants (every page free, held or cached and idle, exactly once)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import random
 import pytest
 
 from flashtree.kv.cache import OutOfPages, PageTables
+from tests.engine.prefix_model import PrefixModel
 
-PAGE = 4
+PAGE, NUM_PAGES = 4, 24
 
 
 def _check(pages: PageTables) -> None:
@@ -33,56 +34,80 @@ def _check(pages: PageTables) -> None:
     assert pages.num_free == len(free) + len(idle)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_traffic_keeps_the_pool_consistent(seed):
+def _same_as_model(pages: PageTables, model: PrefixModel, probes: list[list[int]]) -> None:
+    for tokens in probes:
+        got = [e.page for e in pages.cached_prefix(tokens)]
+        assert got == [n.page for n in model.match(tokens)], f"match of {tokens}"
+    for page in range(pages.num_pages):
+        node = model.cached.get(page)
+        assert pages.prefix.is_cached(page) == (node is not None), f"page {page} cached?"
+        assert pages.prefix.is_idle(page) == (node is not None and node.holders == 0), page
+    assert pages.num_free == model.available()
+    assert pages.prefix.evictions == model.evictions
+    assert {s: pages.table(s) for s in model.seqs} == {s: q.table for s, q in model.seqs.items()}
+
+
+def _grow(pages: PageTables, model: PrefixModel, seq: int, tokens: list[int]) -> bool:
+    """Reserve room for `tokens` (the committed ones plus a draft) in both; False when the pool
+    is short, which the model must predict."""
+    have = len(model.seqs[seq].table)
+    need = -(-len(tokens) // PAGE) - have
+    try:
+        pages.reserve(seq, len(tokens))
+    except OutOfPages:
+        assert need > model.available()
+        return False
+    model.take(seq, pages.table(seq)[have:])
+    return True
+
+
+def _commit(pages: PageTables, model: PrefixModel, seq: int, tokens: list[int]) -> None:
+    pages.set_length(seq, len(tokens))
+    pages.cache_computed(seq, lambda a, b: tokens[a:b], len(tokens))
+    model.set_tokens(seq, tokens)
+    model.register(seq)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_traffic_matches_a_brute_force_model(seed):
     rng = random.Random(seed)
-    pages = PageTables(24, PAGE, prefix_caching=True)
+    pages = PageTables(NUM_PAGES, PAGE, prefix_caching=True)
+    model = PrefixModel(NUM_PAGES, PAGE)
     stems = [[rng.randrange(5) for _ in range(12)] for _ in range(3)]
-    live: dict[int, list[int]] = {}  # seq -> its tokens (all computed)
-    computed_runs: list[list[int]] = []  # every token run some sequence computed and cached
     for step in range(300):
+        live = list(model.seqs)
         if live and rng.random() < 0.35:  # a sequence ends
-            seq = rng.choice(list(live))
-            pages.cache_computed(seq, lambda a, b, t=live[seq]: t[a:b], len(live[seq]))
-            computed_runs.append(live.pop(seq))
+            seq = rng.choice(live)
             pages.free(seq)
-        elif live and rng.random() < 0.5:  # a sequence grows
-            seq = rng.choice(list(live))
-            tokens = live[seq] + [rng.randrange(5) for _ in range(rng.randint(1, 6))]
-            try:
-                pages.reserve(seq, len(tokens))
-            except OutOfPages:
-                continue
-            pages.set_length(seq, len(tokens))
-            live[seq] = tokens
-            pages.cache_computed(seq, lambda a, b, t=tokens: t[a:b], len(tokens))
+            model.end(seq)
+        elif live and rng.random() < 0.5:  # a speculative step: draft, then keep a part
+            seq = rng.choice(live)
+            committed = model.seqs[seq].tokens
+            drafted = committed + [rng.randrange(5) for _ in range(rng.randint(1, 6))]
+            if _grow(pages, model, seq, drafted):
+                _commit(pages, model, seq, drafted[:rng.randint(len(committed) + 1,
+                                                                len(drafted))])
         else:  # a new sequence, from the cache as far as it goes
             tokens = rng.choice(stems)[: rng.randint(1, 12)] + [
-                rng.randrange(5) for _ in range(rng.randint(1, 8))]
-            prefix = pages.cached_prefix(tokens)
-            want = 0  # brute force: the longest full-page run of an earlier computed run
-            for run in computed_runs + list(live.values()):
-                n = 0
-                while (n + 1) * PAGE <= min(len(run), len(tokens) - 1) and \
-                        run[n * PAGE:(n + 1) * PAGE] == tokens[n * PAGE:(n + 1) * PAGE]:
-                    n += 1
-                want = max(want, n)
-            assert len(prefix) <= want  # evicted pages are gone
-            assert all(e.key[1] == tuple(tokens[i * PAGE:(i + 1) * PAGE])
-                       for i, e in enumerate(prefix))
-            if pages.pages_needed_after(prefix, len(tokens)) > pages.num_free:
+                rng.randrange(5) for _ in range(rng.randint(0, 8))]
+            prefix, expect = pages.cached_prefix(tokens), model.match(tokens)
+            assert [e.page for e in prefix] == [n.page for n in expect], f"match of {tokens}"
+            need = pages.pages_needed_after(prefix, len(tokens))
+            assert need == model.pages_needed(expect, len(tokens))
+            if need > pages.num_free:
                 continue
-            seq = step
-            cached = pages.attach_prefix(seq, prefix, len(tokens))
-            assert cached == len(prefix) * PAGE
-            pages.reserve(seq, len(tokens))
-            pages.set_length(seq, len(tokens))
-            live[seq] = tokens
-            pages.cache_computed(seq, lambda a, b, t=tokens: t[a:b], len(tokens))
+            assert pages.attach_prefix(step, prefix, len(tokens)) == len(prefix) * PAGE
+            model.admit(step, tokens, expect)
+            assert _grow(pages, model, step, tokens)
+            _commit(pages, model, step, tokens)
         _check(pages)
-    for seq in list(live):
+        probes = stems + [q.tokens + [0] for q in model.seqs.values()]
+        _same_as_model(pages, model, probes)
+    for seq in list(model.seqs):
         pages.free(seq)
+        model.end(seq)
     _check(pages)
+    _same_as_model(pages, model, stems)
     assert pages.num_free == pages.num_pages
     assert pages.prefix.evictions > 0 and pages.prefix.hit_tokens > 0
 

@@ -13,9 +13,11 @@ import random
 import pytest
 import torch
 
+from tests.layers.needs_triton import TRITON_MISSING
+
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton", reason="needs triton")
+pytest.importorskip("triton", reason=TRITON_MISSING)
 
 from flashtree import LLM  # noqa: E402
 from flashtree.models.loader import load_hf_model  # noqa: E402

@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.layers.needs_triton import TRITON_MISSING
+
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton", reason="needs triton")
+pytest.importorskip("triton", reason=TRITON_MISSING)
 
 from flashtree.layers.fused_moe import fused_experts  # noqa: E402
 from flashtree.layers.stacked_experts import StackedExperts  # noqa: E402

@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.layers.needs_triton import TRITON_MISSING
+
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton", reason="needs triton")
+pytest.importorskip("triton", reason=TRITON_MISSING)
 
 from flashtree.layers import dense  # noqa: E402
 from flashtree.layers.gemv import gemv, gemv_applies  # noqa: E402

@@ -10,10 +10,12 @@ import random
 import pytest
 import torch
 
+from tests.layers.needs_triton import TRITON_MISSING
+
 # Skip before importing triton: on CPU the interpreter tests must import it first.
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton", reason="needs triton")
+pytest.importorskip("triton", reason=TRITON_MISSING)
 model_cases = pytest.importorskip("tests.graphs.model_cases")
 
 

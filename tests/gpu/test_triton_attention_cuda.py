@@ -17,11 +17,12 @@ from tests.attention.cases import (
     run_latent_case,
     sdpa_reference,
 )
+from tests.layers.needs_triton import TRITON_MISSING
 
 # Skip before importing triton: on CPU the interpreter tests must import it first.
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
-TritonBackend = pytest.importorskip("flashtree.attention.triton", reason="needs triton"
+TritonBackend = pytest.importorskip("flashtree.attention.triton", reason=TRITON_MISSING
                                     ).TritonBackend
 
 

@@ -11,10 +11,12 @@ import random
 import pytest
 import torch
 
+from tests.layers.needs_triton import TRITON_MISSING
+
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/ captures these forwards", allow_module_level=True)
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+    pytest.skip(TRITON_MISSING, allow_module_level=True)
 
 import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
 from tests.graphs.model_cases import check_draft, check_target, make_engine  # noqa: E402

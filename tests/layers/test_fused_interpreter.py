@@ -1,5 +1,5 @@
 """The fused Triton kernels against transformers' modules, on CPU through Triton's interpreter.
-Skipped where triton is not installed (CI) and where CUDA exists: there
+Skipped where triton is not installed (a failure under CI=true) and where CUDA exists: there
 tests/gpu/test_fused_cuda.py runs the same cases compiled."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import importlib.util
 import pytest
 import torch
 
+from tests.layers.needs_triton import TRITON_MISSING
+
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/ runs the compiled kernels", allow_module_level=True)
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+    pytest.skip(TRITON_MISSING, allow_module_level=True)
 
 import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
 from tests.layers.fused_cases import (  # noqa: E402
@@ -31,8 +33,9 @@ def test_rms_norm(dtype, dim, residual, heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype):
-    check_silu_mul(dtype, "cpu", inter=40)
+@pytest.mark.parametrize("inter", [40, 1100])  # 1100: two column blocks of 1024, one partial
+def test_silu_mul(dtype, inter):
+    check_silu_mul(dtype, "cpu", inter)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

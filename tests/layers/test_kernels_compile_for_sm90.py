@@ -2,10 +2,11 @@
 passes and its bundled ptxas, in the configurations the engine launches. The interpreter runs
 Python, so it misses what only the compiler rejects (a branch's code type-checked after an
 early return once cost a GPU session). The PTX also shows whether a tile reaches Hopper's
-warpgroup MMA (wgmma), which MLA's compute-bound latent tile is shaped for. The compiles run
-in a child process (the test session runs triton's interpreter, which replaces the kernels);
-skipped where triton or its ptxas is not installed, and where CUDA exists (tests/gpu/ runs
-the kernels themselves)."""
+warpgroup MMA (wgmma), which MLA's compute-bound latent tile is shaped for; the streaming
+kernels (GEMV, fused norm/RoPE/SiLU) compile without spilling registers. The compiles run in a
+child process (the test session runs triton's interpreter, which replaces the kernels); skipped
+where triton (a failure under CI=true) or its ptxas is not installed, and where CUDA exists
+(tests/gpu/ runs the kernels themselves)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.layers.needs_triton import TRITON_MISSING
+
 ROOT = Path(__file__).resolve().parents[2]
+STREAMING = ["gemv"] + [f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", "silu_mul",
+                                                "norm_rope", "norm_rope_to_cache")]
 CASES = [f"moe:{k}:{w}" for k in ("_gate_up_kernel", "_down_kernel")
-         for w in ("bf16", "int4", "fp8")] + ["grouping", "attention:dense", "attention:mla"]
+         for w in ("bf16", "int4", "fp8")] + ["grouping", "attention:dense", "attention:mla",
+                                              *STREAMING]
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict:
     if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
+        pytest.skip(TRITON_MISSING)
     if torch.cuda.is_available():
         pytest.skip("CUDA present: tests/gpu/ runs the kernels themselves")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -47,13 +53,18 @@ def test_kernel_compiles_for_sm90(reports, case):
     assert reports[case]["compiled"], reports[case]
     if case == "attention:mla":
         assert reports[case]["wgmma"] > 0, reports[case]
+    if case in STREAMING:  # a spill in a bandwidth-bound kernel adds memory traffic per element
+        assert reports[case]["spill_bytes"] == 0, reports[case]
+
+
+FLOATS = ("sm_scale_log2", "eps")  # the kernels' float scalar arguments
 
 
 def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
                  num_warps: int = 4, multiples_of_16: tuple[str, ...] = ()) -> dict:
     """Compile `fn` (a @triton.jit kernel) for sm_90 -> {"compiled", "registers",
     "spill_bytes", "wgmma" (warpgroup MMA instructions in the PTX)}. `pointers`: the element
-    type of each pointer argument; other arguments are i32 but `sm_scale_log2` (fp32). As a
+    type of each pointer argument; other arguments are i32 but those in FLOATS (fp32). As a
     launch specializes them: pointers are 16-byte aligned and the integers named in
     `multiples_of_16` divisible by 16."""
     import triton
@@ -72,7 +83,7 @@ def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
         elif name in pointers:
             signature[name] = "*" + pointers[name]
         else:
-            signature[name] = "fp32" if name == "sm_scale_log2" else "i32"
+            signature[name] = "fp32" if name in FLOATS else "i32"
     names = list(inspect.signature(fn.fn).parameters)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
                if n in pointers or n in multiples_of_16}
@@ -152,6 +163,43 @@ def attention_case(mla: bool, tmp_path: Path) -> dict:
                         strides + ("stride_kh", "stride_vs", "stride_vh"))
 
 
+def gemv_case(tmp_path: Path) -> dict:
+    """The batch-1 GEMV as `layers/gemv.py` launches it on bf16 weights whose K and row stride
+    are multiples of 16 (every projection of the models served)."""
+    from flashtree.layers import gemv
+
+    return compile_sm90(gemv._gemv_kernel, dict(BLOCK_N=gemv._BLOCK_N, BLOCK_K=gemv._BLOCK_K),
+                        dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16"), tmp_path, gemv._WARPS,
+                        ("k", "stride_w"))
+
+
+def fused_case(kernel: str, tmp_path: Path) -> dict:
+    """`layers/fused.py`'s kernels as an 8B model (hidden 4096, MLP 12288, head_dim 128)
+    launches them in bf16, with their default 4 warps: RMSNorm with or without the residual
+    add, SiLU-and-multiply, and the per-head norm + RoPE to an output or into the KV cache."""
+    from flashtree.layers import fused
+
+    if kernel.startswith("rms_norm"):
+        strides = ("stride_xt", "stride_rt", "stride_ot", "stride_st", "dim")
+        return compile_sm90(fused._rms_norm_kernel,
+                            dict(HAS_RESIDUAL=kernel.endswith("residual"), BLOCK=4096),
+                            dict.fromkeys(("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr"),
+                                          "bf16"), tmp_path, 4, strides)
+    if kernel == "silu_mul":
+        return compile_sm90(fused._silu_mul_kernel, dict(BLOCK=1024),
+                            dict(x_ptr="bf16", out_ptr="bf16"), tmp_path, 4,
+                            ("stride_xt", "stride_ot", "inter"))
+    to_slots = kernel == "norm_rope_to_cache"
+    pointers = dict.fromkeys(("x_ptr", "w_ptr", "out_ptr", "slots_ptr", "v_ptr", "v_out_ptr"),
+                             "bf16")  # without slots the launch passes x and out for them
+    pointers.update(cos_ptr="fp32", sin_ptr="fp32", slots_ptr="i64" if to_slots else "bf16")
+    return compile_sm90(fused._norm_rope_kernel,
+                        dict(HAS_NORM=True, TO_SLOTS=to_slots, BLOCK=64, V_BLOCK=128), pointers,
+                        tmp_path, 4, ("stride_xt", "stride_xh", "stride_ct", "stride_ot",
+                                      "stride_oh", "stride_vt", "stride_vh", "stride_vot",
+                                      "stride_voh", "half", "v_dim"))
+
+
 def main() -> None:
     import triton
 
@@ -165,6 +213,10 @@ def main() -> None:
                 out[case] = moe_case(rest[0], rest[1], Path(tmp))
             elif kind == "grouping":
                 out[case] = grouping_case(Path(tmp))
+            elif kind == "gemv":
+                out[case] = gemv_case(Path(tmp))
+            elif kind == "fused":
+                out[case] = fused_case(rest[0], Path(tmp))
             else:
                 out[case] = attention_case(rest[0] == "mla", Path(tmp))
     print(json.dumps(out))

@@ -2,7 +2,7 @@
 this rank's experts lands exactly once in a block of its expert, blocks hold one expert each,
 padding and blocks past the end are marked, and the sizes depend on the batch size alone
 (graph-capturable). Through Triton's interpreter on CPU, compiled where CUDA exists; skipped
-where triton is not installed (CI)."""
+where triton is not installed (a failure under CI=true)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import importlib.util
 import pytest
 import torch
 
+from tests.layers.needs_triton import TRITON_MISSING
+
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+    pytest.skip(TRITON_MISSING, allow_module_level=True)
 if not torch.cuda.is_available():
     import tests.attention.interpreter  # noqa: F401  (before triton is used)
 

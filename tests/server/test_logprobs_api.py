@@ -1,4 +1,5 @@
-"""Log-probabilities through the `openai` client in every spec mode: chat's `logprobs.content`
+"""Log-probabilities through the `openai` client: the plain server's equal the oracle's on
+transformers' logits (`tests/sampling_oracle.py`); in every spec mode chat's `logprobs.content`
 and completions' lists (with the echoed prompt) equal plain decoding's, greedy and seeded,
 streamed as whole, and out-of-range requests are refused naming the field."""
 
@@ -6,7 +7,10 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 
+from flashtree import SamplingParams
+from tests.sampling_oracle import output_logprobs
 from tests.server.conftest import MODEL
 
 CHAT = [{"role": "user", "content": "Name three colours of the sea."}]
@@ -27,6 +31,51 @@ def _assert_close(got: list[dict], want: list[dict]) -> None:
         assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
         for gt, wt in zip(g["top_logprobs"], w["top_logprobs"]):
             assert gt["logprob"] == pytest.approx(wt["logprob"], abs=1e-4)
+
+
+def test_plain_completion_logprobs_equal_transformers(spec_clients, tiny_chat_model):
+    """The echoed prompt's values are the raw log-softmax of transformers' logits of the served
+    checkpoint; each output token's are the oracle's (penalties, then temperature). top_k=1
+    makes each draw the argmax of those values, which top-k leaves untruncated."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_chat_model[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt, n, top = [(977 * i) % 40000 + 200 for i in range(12)], 8, 3
+    # The tiny model's logits are nearly flat: a rewarding repetition penalty gives the seen
+    # tokens enough mass that penalizing the wrong ones moves the values.
+    kw = dict(temperature=0.7, top_k=1, repetition_penalty=0.5, presence_penalty=0.4,
+              frequency_penalty=0.5)
+    params = SamplingParams(**kw)
+    ids, expected = list(prompt), []  # the oracle's tokens and [vocab] log-probs of each
+    with torch.no_grad():
+        for _ in range(n):
+            logp = output_logprobs(hf(torch.tensor([ids])).logits[0, -1], params, prompt,
+                                   ids[len(prompt):])
+            best = logp.topk(top + 1).values
+            # float32 logits of the two implementations agree to about 1e-4 (the tolerance):
+            # the argmax and the top 3 are decided by wider gaps.
+            assert best[0] - best[1] > 1e-3 and best[top - 1] - best[top] > 1e-3
+            expected.append(logp)
+            ids.append(int(logp.argmax()))
+        raw = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1)  # [len(ids), vocab]
+
+    def text(token: int) -> str:
+        return tok.decode([token], skip_special_tokens=False)
+
+    got = spec_clients["none"].completions.create(
+        model=MODEL, prompt=prompt, max_tokens=n, logprobs=top, echo=True,
+        extra_body={"ignore_eos": True, **kw}).choices[0].logprobs
+    assert got.tokens == [text(t) for t in ids]
+    assert got.token_logprobs[0] is None
+    want = [float(raw[j - 1, ids[j]]) for j in range(1, len(prompt))]
+    want += [float(logp[t]) for logp, t in zip(expected, ids[len(prompt):])]
+    assert got.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    for j, logp in enumerate(expected):
+        values, tokens = logp.topk(top)
+        alternatives = {text(t): v for t, v in zip(tokens.tolist(), values.tolist())}
+        assert got.top_logprobs[len(prompt) + j] == pytest.approx(alternatives, abs=1e-4)
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=0), dict(temperature=0.9, seed=5)],

@@ -1,19 +1,23 @@
 """Tool-call parsing for every template family: the calls and content of whole outputs (several
 calls, content around them, nested and non-ASCII arguments), malformed or unknown calls kept as
-content, the family read off chat templates, and streams that add up to the whole parse however
-the output is split into deltas, with no marker ever sent as content."""
+content, streams that add up to the whole parse however the output is split into deltas, with
+no marker ever sent as content; and the published chat templates of Qwen3, Llama 3.1, Kimi K2 and
+DeepSeek V3 (templates/): each one's family detected, the whole tool format rendered as the family
+documents it, and the calls it writes parsed back."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jinja2.exceptions import UndefinedError
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from flashtree.server.protocol import ChatMessage
 from flashtree.server.tool_calls import (
-    FORMATS,
     StreamingToolParser,
     ToolCall,
     detect_tool_format,
@@ -251,31 +255,173 @@ def test_unknown_family_is_refused():
         StreamingToolParser("mistral", TOOLS, "r")
 
 
-QWEN = ('{%- if tools %}{%- for tool in tools %}{{- tool | tojson }}{%- endfor %}'
-        '{{- "<tool_call>\\n{\\"name\\": <function-name>}\\n</tool_call>" }}{%- endif %}')
-LLAMA_31 = '{%- if tools is not none %}{{- "<|python_tag|>" + tool_call.name }}{%- endif %}'
-LLAMA_32 = ('{%- if tools is not none %}{{- \'Respond in the format {"name": function name, '
-            '"parameters": dictionary of argument name and its value}.\' }}{%- endif %}')
-KIMI = "{%- if tools -%}{{ tools | tojson }}{%- endif -%}<|tool_calls_section_begin|>"
-DEEPSEEK = "{% if tools %}{% endif %}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}"
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+# The chat template each family's models publish, and the family's end-of-turn token.
+FAMILY_TEMPLATES = {"hermes": ("qwen3", "<|im_end|>"), "llama3_json": ("llama3_1", "<|eot_id|>"),
+                    "kimi_k2": ("kimi_k2", "<|im_end|>"),
+                    "deepseek_v3": ("deepseek_v3", "<｜end▁of▁sentence｜>")}
+
+
+def real_template(name: str) -> str:
+    """A published chat template, as stored under templates/ (its first line names the source)."""
+    return (TEMPLATES_DIR / f"{name}.jinja").read_text()
+
+
 PLAIN = "{% for m in messages %}{{ m.content }}{% endfor %}"
 
 
 @pytest.mark.parametrize("template,model_type,family", [
-    (QWEN, "qwen3", "hermes"),
-    (LLAMA_31, "llama", "llama3_json"),
-    (LLAMA_32, "llama", "llama3_json"),
-    (KIMI, "kimi_k2", "kimi_k2"),
-    (DEEPSEEK, "deepseek_v3", "deepseek_v3"),
-    (DEEPSEEK, "qwen2", "deepseek_v3"),  # R1 distilled into Qwen writes DeepSeek's markers
+    ("qwen3", "qwen3", "hermes"),
+    ("llama3_1", "llama", "llama3_json"),
+    ("llama3_2", "llama", "llama3_json"),  # JSON calls without <|python_tag|>
+    ("kimi_k2", "kimi_k2", "kimi_k2"),
+    ("deepseek_v3", "deepseek_v3", "deepseek_v3"),
+    ("deepseek_v3", "qwen2", "deepseek_v3"),  # R1 distilled into Qwen writes DeepSeek's markers
+])
+def test_detect_tool_format_of_published_templates(template, model_type, family):
+    """The markers decide, whatever the model type says."""
+    text = real_template(template)
+    assert detect_tool_format(text, model_type) == family
+    assert detect_tool_format(text) == family
+
+
+@pytest.mark.parametrize("template,model_type,family", [
     ("{% if tools %}{{ tools | tojson }}{% endif %}", "qwen3", "hermes"),
     ("{% if tools %}{{ tools | tojson }}{% endif %}", "gemma3", None),
     ("{% if tools %}{{ tools | tojson }}{% endif %}", None, None),
     (PLAIN, "qwen3", None),  # a template that takes no tools
-])
-def test_detect_tool_format(template, model_type, family):
+], ids=["tools-qwen3", "tools-gemma3", "tools-unknown", "no-tools"])
+def test_detect_tool_format_without_markers(template, model_type, family):
     assert detect_tool_format(template, model_type) == family
-    assert family is None or family in FORMATS
+
+
+# DeepSeek V3's template joins a call's arguments to text (`... + arguments + ...`); the others
+# serialize an object (`| tojson`), the form transformers documents for chat templates.
+ARGUMENTS_AS_TEXT = {"deepseek_v3"}
+
+
+def _call_id(family: str, name: str, index: int) -> str:
+    """Kimi K2's template writes the call id into the prompt, in its own `functions.NAME:INDEX`."""
+    return f"functions.{name}:{index}" if family == "kimi_k2" else f"call_{index}"
+
+
+def _calls_turn(family: str, calls: list[tuple[str, object]], openai: bool = False) -> dict:
+    """An assistant turn that only made `calls` (name, arguments): as the family's template
+    takes it, or (`openai`) as a client sends it back, arguments as JSON text."""
+    as_text = openai or family in ARGUMENTS_AS_TEXT
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": _call_id(family, name, i), "type": "function",
+         "function": {"name": name, "arguments": _dumps(args) if as_text else args}}
+        for i, (name, args) in enumerate(calls)]}
+
+
+def _render(family: str, messages: list[dict], generation_prompt: bool) -> str:
+    """The conversation through the family's published template, with the request's tools."""
+    template = real_template(FAMILY_TEMPLATES[family][0])
+    return render_jinja_template([messages], tools=tools_for_template(TOOLS),
+                                 chat_template=template, add_generation_prompt=generation_prompt,
+                                 bos_token="<BOS>")[0][0]
+
+
+ASK = [{"role": "system", "content": "You are terse."},
+       {"role": "user", "content": "Weather in Paris?"}]
+# The whole tool format of each family, as its model card and template document it, in order:
+# tools declared, the user turn, the assistant's call, the tool's result, the answer.
+# (DeepSeek V3's published template writes no tool list.)
+DOCUMENTED = {
+    "hermes": [
+        "<|im_start|>system\nYou are terse.\n\n# Tools\n", "<tools>\n" + _dumps(TOOLS[0]) + "\n",
+        "</tools>\n\nFor each function call, return a json object with function name and "
+        "arguments within <tool_call></tool_call> XML tags", "<|im_end|>\n",
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n",
+        "<|im_start|>assistant\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+        "<|im_start|>user\n<tool_response>\nsunny, 21 degrees\n</tool_response><|im_end|>\n",
+        "<|im_start|>assistant\n", "It is sunny.<|im_end|>\n"],
+    "llama3_json": [
+        "<BOS><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n",
+        "You are terse.<|eot_id|>", "<|start_header_id|>user<|end_header_id|>\n\n",
+        'Respond in the format {"name": function name, "parameters": dictionary of argument '
+        "name and its value}.", json.dumps(TOOLS[0], indent=4), "Weather in Paris?<|eot_id|>",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny, 21 degrees"<|eot_id|>',
+        "<|start_header_id|>assistant<|end_header_id|>\n\nIt is sunny.<|eot_id|>"],
+    "kimi_k2": [
+        "<|im_system|>tool_declare<|im_middle|>", _dumps(TOOLS) + "<|im_end|>",
+        "<|im_system|>system<|im_middle|>You are terse.<|im_end|>",
+        "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>",
+        "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>"
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>",
+        "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n",
+        "sunny, 21 degrees<|im_end|>",
+        "<|im_assistant|>assistant<|im_middle|>It is sunny.<|im_end|>"],
+    "deepseek_v3": [
+        "<BOS>You are terse.<｜User｜>Weather in Paris?",
+        "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>',
+        "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>sunny, 21 degrees<｜tool▁output▁end｜>"
+        "<｜tool▁outputs▁end｜>", "It is sunny.<｜end▁of▁sentence｜>"],
+}
+
+
+def _conversation(family: str, openai: bool = False) -> list[dict]:
+    """System, user, the assistant's call, the tool's result, the assistant's answer."""
+    return ASK + [_calls_turn(family, [("get_weather", PARIS)], openai),
+                  {"role": "tool", "tool_call_id": _call_id(family, "get_weather", 0),
+                   "content": "sunny, 21 degrees"},
+                  {"role": "assistant", "content": "It is sunny."}]
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+def test_published_template_renders_the_documented_tool_format(family):
+    rendered = _render(family, _conversation(family), generation_prompt=False)
+    pos = 0
+    for marker in DOCUMENTED[family]:
+        found = rendered.find(marker, pos)
+        assert found >= 0, f"{marker!r} not after offset {pos} in:\n{rendered}"
+        pos = found + len(marker)
+
+
+@pytest.mark.parametrize("family", [
+    *[f for f in FAMILY_TEMPLATES if f != "deepseek_v3"],
+    pytest.param("deepseek_v3", marks=pytest.mark.xfail(strict=True, raises=UndefinedError, reason=(
+        "for_template drops an assistant turn's null content and turns its arguments into an "
+        "object; DeepSeek V3's template tests `content is none` and joins arguments as text"))),
+])
+def test_server_messages_render_as_the_template_documents(family):
+    """The server's view of an OpenAI conversation (`ChatMessage.for_template`) renders exactly
+    as the conversation in the form the family's template takes."""
+    shown = [ChatMessage(**m).for_template() for m in _conversation(family, openai=True)]
+    assert (_render(family, shown, generation_prompt=True)
+            == _render(family, _conversation(family), generation_prompt=True))
+
+
+# What a model writes around its calls that is not a call: Qwen3's template opens the turn
+# after the last user message with an (empty) thinking block.
+CONTENT_BEFORE_CALLS = {"hermes": "<think>\n\n</think>"}
+# (name, arguments) of an assistant turn's calls; Llama 3.1's template refuses two a turn.
+ONE_CALL, TWO_CALLS = [("get_weather", UNICODE)], [("get_weather", PARIS), ("search", NESTED)]
+TURNS = [pytest.param(f, turn, id=f"{f}-{len(turn)}") for f in FAMILY_TEMPLATES
+         for turn in (ONE_CALL, TWO_CALLS) if f != "llama3_json" or len(turn) == 1]
+
+
+@pytest.mark.parametrize("family,turn", TURNS)
+def test_parser_reads_back_the_calls_the_published_template_writes(family, turn):
+    """An assistant turn rendered by the family's template, as a model trained on it would
+    write it (up to its end-of-turn token), parses back to the same calls, whole or streamed."""
+    prompt = _render(family, ASK, generation_prompt=True)
+    whole = _render(family, ASK + [_calls_turn(family, turn)], generation_prompt=False)
+    assert whole.startswith(prompt)
+    written = whole[len(prompt):].split(FAMILY_TEMPLATES[family][1])[0]
+    content, parsed = parse_tool_calls(written, family, TOOLS, "r")
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == turn, written
+    assert content == CONTENT_BEFORE_CALLS.get(family)
+    if family == "kimi_k2":  # the model's own ids, which the template writes back
+        assert [c.id for c in parsed] == [_call_id(family, name, i) for i, (name, _) in
+                                          enumerate(turn)]
+    assert _stream(family, list(written)) == (content or "", parsed)
 
 
 def test_tools_for_template_render_without_nulls():

@@ -1,6 +1,7 @@
 """Exact laws of one speculative round on a toy Markov target, by enumerating every random
-choice the production walks make. Each round's output, continued by plain sampling, must have
-exactly the target's joint law; the RRS variant without the q update must not."""
+choice the production walks make, on chains of a whole block of 4 and trees of depth 3 to 5.
+Each round's output, continued by plain sampling, must have exactly the target's joint law; the
+RRS variant without the q update must not."""
 
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ def enumerate_law(run) -> dict[tuple[int, ...], float]:
     return law
 
 
-def markov_table(seed: int, temperature: float = 1.0) -> torch.Tensor:
+def markov_table(seed: int, vocab: int = V) -> torch.Tensor:
+    """[vocab, vocab] the target's next-token law after each token."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.softmax(torch.randn(V, V, generator=gen, dtype=torch.float64) * 2 / temperature,
+    return torch.softmax(torch.randn(vocab, vocab, generator=gen, dtype=torch.float64) * 2,
                          dim=-1)
 
 
@@ -67,7 +69,7 @@ def continue_to(law, table, root, length):
     """Extend each emitted prefix with plain Markov sampling to `length` tokens (exactly)."""
     full: dict[tuple[int, ...], float] = {}
     for prefix, w in law.items():
-        tails = itertools.product(range(V), repeat=length - len(prefix))
+        tails = itertools.product(range(len(table)), repeat=length - len(prefix))
         for tail in tails:
             seq = prefix + tail
             prob, prev = w, prefix[-1] if prefix else root
@@ -80,7 +82,7 @@ def continue_to(law, table, root, length):
 
 def target_joint(table, root, length):
     joint = {}
-    for seq in itertools.product(range(V), repeat=length):
+    for seq in itertools.product(range(len(table)), repeat=length):
         prob, prev = 1.0, root
         for t in seq:
             prob *= float(table[prev, t])
@@ -94,10 +96,13 @@ def tv(a, b):
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in keys)
 
 
+# (tokens, parents) of the non-root nodes, node i + 1 being entry i. The check sums over all
+# 6^(depth + 1) continuations, about a second for the depth-5 tree.
 FIXED_TREES = {
-    "chain": ([3, 1, 4], [0, 1, 2]),
-    "bushy": ([2, 5, 0, 1, 2, 4], [0, 0, 0, 1, 1, 4]),
-    "deep": ([1, 0, 2, 3, 5, 1], [0, 1, 1, 2, 4, 5]),
+    "block4_chain": ([3, 1, 4], [0, 1, 2]),  # a DFlash block of 4: the bonus and 3 drafts
+    "bushy_depth3": ([2, 5, 0, 1, 2, 4], [0, 0, 0, 1, 1, 4]),
+    "wide_depth4": ([1, 3, 0, 5, 2, 4, 1], [0, 0, 1, 1, 3, 3, 5]),  # siblings at depths 1-3
+    "deep_depth5": ([1, 0, 2, 3, 5, 1], [0, 1, 1, 2, 4, 5]),
 }
 
 
@@ -125,7 +130,7 @@ def test_sample_and_match_is_exact_on_fixed_trees(name, seed):
 
 def swor_orders(q: torch.Tensor, width: int):
     """Every ordered draw of `width` distinct tokens without replacement, with its law."""
-    for order in itertools.permutations(range(V), width):
+    for order in itertools.permutations(range(len(q)), width):
         prob, left = 1.0, 1.0
         for t in order:
             prob *= float(q[t]) / left
@@ -164,18 +169,31 @@ def rrs_round_law(table, draft_q, root, width, renormalize_q=True):
     return law
 
 
-@pytest.mark.parametrize("width, depth", [(1, 2), (2, 2), (3, 1)])
+# (vocab, width, depth) of RRS spine trees. The enumeration walks every SWOR draw of the
+# siblings, (vocab! / (vocab - width)!) ** depth trees, so deeper cases take fewer tokens:
+# 6^3 = 216 chains, 30^2 = 900 and 120 trees over 6 tokens; 12^3 = 1728 over 4; 6^4 = 1296 over 3.
+RRS_CASES = {
+    "block4_chain": (6, 1, 3),  # DFlash's RRS chain: one draw per depth of a block of 4
+    "width2_depth2": (6, 2, 2),
+    "width3_depth1": (6, 3, 1),
+    "width2_depth3": (4, 2, 3),  # DDTree's spine for a budget of 6 over a block of 4
+    "width2_depth4": (3, 2, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(RRS_CASES))
 @pytest.mark.parametrize("seed", [0, 3])
-def test_rrs_is_exact_and_the_q_update_is_necessary(width, depth, seed):
-    table = markov_table(seed)
+def test_rrs_is_exact_and_the_q_update_is_necessary(case, seed):
+    vocab, width, depth = RRS_CASES[case]
+    table = markov_table(seed, vocab)
     gen = torch.Generator().manual_seed(100 + seed)
     # A deliberately mismatched drafter: its own random marginals.
-    draft_q = torch.softmax(torch.randn(depth, V, generator=gen, dtype=torch.float64), dim=-1)
+    draft_q = torch.softmax(torch.randn(depth, vocab, generator=gen, dtype=torch.float64), dim=-1)
     root = 1
     law = rrs_round_law(table, draft_q, root, width)
     assert abs(sum(law.values()) - 1) < 1e-9
     joint = target_joint(table, root, depth + 1)
     assert tv(continue_to(law, table, root, depth + 1), joint) < 1e-9
-    if (width, depth) == (2, 2):  # negative control: there the update matters for any seed
+    if case == "width2_depth2":  # negative control: there the update matters for any seed
         biased = rrs_round_law(table, draft_q, root, width, renormalize_q=False)
         assert tv(continue_to(biased, table, root, depth + 1), joint) > 1e-3

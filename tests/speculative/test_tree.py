@@ -280,17 +280,26 @@ def test_ddtree_greedy_equals_plain(small_pair, budget, cap):
 
 
 def test_ddtree_budget_raises_acceptance(small_pair):
+    """A larger tree commits more tokens per target forward, both giving plain decoding's
+    tokens; a one-node tree commits that node and the bonus at most, and the commits of each
+    request add up to its tokens after the prefill's."""
     target, drafter = small_pair
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    mean = {}
+    plain = LLM(model=str(target), device="cpu", skip_tokenizer_init=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    mean, commits = {}, {}
     for budget in (1, 24):
         llm = LLM(model=str(target), draft=str(drafter), spec_policy="fixed",
                   spec="ddtree", tree_budget=budget,
                   device="cpu", skip_tokenizer_init=True)
-        lengths = [x for o in llm.generate(PROMPTS, sp) for x in o.outputs[0].spec_accept_lengths]
-        mean[budget] = sum(lengths) / len(lengths)
+        outs = llm.generate(PROMPTS, sp)
+        assert [o.outputs[0].token_ids for o in outs] == expected, budget
+        per_request = [o.outputs[0].spec_accept_lengths for o in outs]
+        assert [sum(n) for n in per_request] == [len(t) - 1 for t in expected], budget
+        commits[budget] = [x for n in per_request for x in n]
+        mean[budget] = sum(commits[budget]) / len(commits[budget])
+    assert set(commits[1]) == {1, 2}, commits[1]
     assert mean[24] > mean[1] * 1.2
-    assert math.isfinite(mean[24])
 
 
 def test_surrogate_objective_equals_expected_acceptance():

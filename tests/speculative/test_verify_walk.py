@@ -62,7 +62,7 @@ def test_walk_and_keep_moves_exactly_the_accepted_nodes_into_place():
     """The device commit of a tree batch: per request, row j < accepted count moves the KV of
     accepted node path[j] (its verify slot) to row j's slot at position start + j; every
     other row moves scratch onto scratch. Oracle: the reference walk on the host."""
-    rng = random.Random(1)
+    rng, gen = random.Random(1), torch.Generator().manual_seed(1)
     vocab, scratch = 4, 10_000
     for _ in range(100):
         n = rng.randint(1, 10)
@@ -73,8 +73,8 @@ def test_walk_and_keep_moves_exactly_the_accepted_nodes_into_place():
                 cands.append(c)
         decisions = [[rng.choice(list(ch)) if ch and rng.random() < 0.8 else rng.randrange(vocab)
                       for ch in c.children] for c in cands]
-        slots = torch.randperm(1000)[: len(cands) * n].view(len(cands), n)
-        starts = torch.randint(0, 500, (len(cands),))
+        slots = torch.randperm(1000, generator=gen)[: len(cands) * n].view(len(cands), n)
+        starts = torch.randint(0, 500, (len(cands),), generator=gen)
         result, path, src, dst, positions = walk_and_keep(
             torch.tensor([c.tokens for c in cands]), torch.tensor([c.parents for c in cands]),
             torch.tensor(decisions), slots, starts, scratch=scratch)

@@ -4,6 +4,7 @@ about one token per step, and the reference `dflash` package loads what we write
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -35,27 +36,32 @@ def stride_sequence(stride: int, start: int, length: int) -> list[int]:
     return [DIGITS + stride - 1] + [(start + i * stride) % DIGITS for i in range(length)]
 
 
-def train_tiny_target(path, seconds_budget: float = 25.0) -> None:
+TARGET_STEPS = 100  # its loss is within 0.01 nats of the floor by then (0.071 measured)
+
+
+def train_tiny_target(path) -> None:
+    """A tiny Llama trained on the stride language for a fixed number of steps from seeded
+    generators. Its loss's floor is ln(DIGITS)/47: of the 47 predicted tokens, the start digit
+    after a marker is uniform and every later one is determined."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    with torch.random.fork_rng():  # the initial weights, without touching the global seed
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(0)
-    start = time.time()
-    for _ in range(400):
+    for _ in range(TARGET_STEPS):
         batch = torch.tensor([stride_sequence(rng.randint(1, 3), rng.randrange(DIGITS), 47)
                               for _ in range(32)])
         loss = model(batch, labels=batch).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if loss.item() < 0.02 or time.time() - start > seconds_budget:
-            break
-    assert loss.item() < 0.1, f"tiny target did not learn the language (loss {loss.item()})"
+    floor = math.log(DIGITS) / 47
+    assert loss.item() < floor + 0.04, f"tiny target did not learn the language ({loss.item()})"
     model.eval().save_pretrained(path, safe_serialization=True)
 
 
@@ -118,13 +124,17 @@ def test_plain_steps_between_speculative_ones_keep_the_drafter_in_step(trained):
     fixed, _ = _held_out_run(trained, "drafter", "dflash")
     stats = mixed.engine.speculative.stats
     assert stats.budgets[0] >= stats.num_drafts // 2  # plain request-steps really ran
-    # Out of step, the drafter would accept about nothing (the untrained one's level).
+    # Out of step, the drafter would accept about nothing (the untrained one's level); in step
+    # it accepts 5.4 of 7 drafted tokens (deterministic runs).
     assert accepted_per_draft(fixed) >= 0.6 * BLOCK
     assert accepted_per_draft(mixed) >= 0.9 * accepted_per_draft(fixed)
 
 
 def test_trained_drafter_accepts_nearly_whole_blocks(trained):
-    assert _mean_accept(trained, "drafter", "dflash") >= 0.8 * BLOCK
+    # Deterministic runs measure 6.4 tokens per step (of 8) trained and 1.06 untrained; a
+    # drafter trained on misaligned positions or masks accepts about what an untrained one
+    # does. The bounds leave room for another machine's float rounding.
+    assert _mean_accept(trained, "drafter", "dflash") >= 0.7 * BLOCK
     assert _mean_accept(trained, "untrained", "dflash") < 1.5
 
 

@@ -1,0 +1,81 @@
+"""The batch-1 GEMV kernel (`layers/gemv.py`) on CPU through Triton's interpreter: one bf16 or
+fp16 row against weights of odd shapes and strides equals a float64 `F.linear` within the error
+the kernel can honestly have, element by element. Skipped where triton is not installed (a
+failure under CI=true) and where CUDA exists: there tests/gpu/test_gemv_cuda.py runs it."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.layers.needs_triton import TRITON_MISSING
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/ runs the compiled kernel", allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip(TRITON_MISSING, allow_module_level=True)
+
+import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
+from flashtree.layers.gemv import gemv, gemv_applies  # noqa: E402
+
+# u = 2^-p for p significand bits: half an ulp of 1, relative, rounding to nearest.
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
+
+
+def assert_within_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Products of two bf16/fp16 values are exact in float32; summing k of them in float32
+    errs by at most k * u32 * sum|w x| (the worst case of any order), and the final rounding
+    to y's dtype by u * |y| (or u * its smallest normal, below that)."""
+    x64, w64 = x.double().reshape(-1), weight.double()
+    exact = F.linear(x64, w64)
+    k, u = weight.shape[1], UNIT_ROUNDOFF[y.dtype]
+    summation = k * UNIT_ROUNDOFF[torch.float32] * F.linear(x64.abs(), w64.abs())
+    bound = u * exact.abs() + (1 + u) * summation + u * torch.finfo(y.dtype).smallest_normal
+    error = (y.double().reshape(-1) - exact).abs()
+    worst = (error / bound).argmax()
+    assert (error <= bound).all(), (f"output {worst.item()}: |y - exact| = "
+                                     f"{error[worst].item():.3g} > {bound[worst].item():.3g}")
+
+
+def random_case(n: int, k: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    return torch.randn(k, generator=gen).to(dtype), weight
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(7, 1000), (13, 129), (64, 1024), (200, 576)])
+def test_one_row_matches_float64(dtype, n, k):
+    """Fewer rows than a block, a partial last row block, K below one block, a partial last
+    K block, and exact multiples of both (blocks of 8 rows by 512 columns)."""
+    x, weight = random_case(n, k, dtype, seed=n + k)
+    assert gemv_applies(x, weight)
+    y = gemv(x, weight)
+    assert y.shape == (n,) and y.dtype == dtype
+    assert_within_rounding(y, x, weight)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("x_shape", [(1, -1), (1, 1, -1)])
+def test_leading_dims_kept(x_shape):
+    x, weight = random_case(24, 300, torch.bfloat16, seed=1)
+    x = x.reshape([300 if d == -1 else d for d in x_shape])
+    y = gemv(x, weight)
+    assert y.shape == x.shape[:-1] + (24,)
+    assert_within_rounding(y, x, weight)
+
+
+@torch.inference_mode()
+def test_strided_row_and_weight_columns():
+    """A row viewed out of a wider tensor, and a weight whose rows are column slices of a wider
+    matrix (row stride 700 != k = 600): the kernel steps rows by the weight's own stride."""
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(2, 1200, generator=gen).to(torch.bfloat16)
+    full = (torch.randn(40, 700, generator=gen) / 600 ** 0.5).to(torch.bfloat16)
+    x, weight = wide[1, ::2], full[:, 50:650]
+    assert weight.stride(0) == 700 and gemv_applies(x, weight)
+    assert_within_rounding(gemv(x, weight), x, weight)
