@@ -5,7 +5,7 @@
 #   benchmarks/concurrency_sweep.sh MODEL DRAFT OUT_DIR [RUNS]
 #
 # Each run writes OUT_DIR/runK/{low,high}_concurrency/ (`flashtree bench` reports and plots);
-# OUT_DIR/summary.{md,png} then sums up every run there (benchmarks/sweep_summary.py).
+# OUT_DIR/summary.{md,png} then sums up every run there (`python -m benchmarks.serving summary`).
 # Sizes can be changed through the environment: LOW_SPECS, LOW_CONC, LOW_PROMPTS, LOW_TOKENS,
 # HIGH_SPECS, HIGH_CONC, HIGH_PROMPTS, HIGH_TOKENS (specs comma-separated, as `--spec` takes them) (a prompt count per concurrency, or one for all: by default 24, 48
 # and 96 at 1, 4 and 16, so that a run at 16 lasts more than the H200 host's slow stretches,
@@ -48,4 +48,4 @@ for ((run = first; run < first + runs; run++)); do
         --rounds "${ROUNDS:-1}" \
         --output-dir "$out/run$run/high_concurrency"
 done
-python3 "$(dirname "$0")/sweep_summary.py" "$out"
+PYTHONPATH="$(dirname "$0")/..${PYTHONPATH:+:$PYTHONPATH}" python3 -m benchmarks.serving summary "$out"

@@ -15,7 +15,6 @@ from flashtree.config import (
     TREE_SAMPLING_MODES,
     CacheConfig,
     EngineConfig,
-    ModelConfig,
     SchedulerConfig,
     SpecConfig,
     parse_dtype,
@@ -23,6 +22,7 @@ from flashtree.config import (
 from flashtree.distributed import get_tp_size, set_ep_size
 from flashtree.distributed.tp import TPDriverEngine, TPGroup
 from flashtree.engine.llm_engine import LLMEngine
+from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashDraftModel, load_dflash_drafter
 from flashtree.models.llama import DecoderModel
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR, load_model, resolve_model_path
@@ -234,7 +234,7 @@ class LLM:
         try:
             while not seq.is_finished:
                 self.engine.step()
-                text = self.engine.stream_text(seq)
+                text = self.engine.outputs.stream_text(seq)
                 if len(text) > len(sent) and text.startswith(sent):
                     yield text[len(sent):]
                     sent = text

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashtree.config import ModelConfig
+from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -182,22 +182,6 @@ def fp8_block_quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     return (w.float() / full).to(torch.float8_e4m3fn), scale
 
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run_benchmark(script: str, out: Path, *args: str, cwd: Path = REPO) -> dict:
-    """Run `benchmarks/<script>` as a user does, writing its report to `out`; asserts it
-    succeeded and returns the JSON it wrote beside the report."""
-    import json
-    import subprocess
-    import sys
-
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args, "--out",
-                          str(out)], capture_output=True, text=True, timeout=600, cwd=cwd)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(out.with_suffix(".json").read_text())
-
-
 def run_ranks(fn, nprocs: int = 2) -> dict:
     """Spawn `nprocs` processes running `fn(rank, port, out)` (a module-level function; `port`
     free for a tcp:// group, `out` a shared dict) and return what they put in `out`."""

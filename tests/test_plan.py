@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from flashtree.cli import build_parser, main
-from flashtree.config import ModelConfig
 from flashtree.layers.rotary import rope_attention_scaling, softmax_mscale
+from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashConfig
 from flashtree.plan import kv_bytes_per_token, make_plan, target_parts
 

@@ -104,6 +104,12 @@ class AttentionBackend(ABC):
         it plans here."""
         return None  # the kernels here read everything from the device
 
+    @property
+    def plans_before_replay(self) -> bool:
+        """Whether `before_replay` does anything (callers holding several backends skip the
+        others)."""
+        return False
+
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """`forward` once the new tokens' K/V are in the cache (written there by the caller, at

@@ -1,6 +1,7 @@
 """FlashInfer's MLA decode kernel (FA3 on Hopper) for forwards where every request has one
 query row: an optional GPU dependency (`pip install "flashtree[flashinfer]"`), measured
-2.2-2.8x faster than the Triton latent kernel at decode (benchmarks/results/2026-12-05-mla-gpu.md).
+2.2-2.8x faster than the Triton latent kernel at decode
+(benchmarks/results/archive/2026-12-05-mla-gpu.md).
 Verification and prefill stay on the Triton kernel: FlashInfer's MLA has no tree masks.
 
 Its wrapper plans on the host from the step's lengths and page tables (`HostLayout`): at the

@@ -200,6 +200,10 @@ class TritonBackend(AttentionBackend):
             self.latent_decode.before_replay(batch, tokens, meta)
 
     @property
+    def plans_before_replay(self) -> bool:
+        return self.latent_decode is not None
+
+    @property
     def slot_mapping(self) -> torch.Tensor:
         assert self.launch is not None, "begin_forward must run before the layers"
         return self.launch.meta.slot_mapping

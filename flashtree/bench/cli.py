@@ -311,11 +311,11 @@ def parse_method(item: str) -> Method:
 def _spec_counts(llm) -> dict[str, dict[int, int]]:
     """The engine's speculation counts so far, by their row names: request-steps by chosen
     draft budget, and speculative decode steps by batch size (empty without speculation)."""
-    spec = llm.engine.speculative
-    if spec is None:
+    stats = llm.engine.spec_stats
+    if stats is None:
         return {"budget_histogram": {}, "speculative_steps_by_batch": {}}
-    return {"budget_histogram": spec.stats.budgets,
-            "speculative_steps_by_batch": spec.stats.speculative_steps}
+    return {"budget_histogram": stats.budgets,
+            "speculative_steps_by_batch": stats.speculative_steps}
 
 
 def _counts_since(before: dict[int, int], now: dict[int, int]) -> dict[str, int]:

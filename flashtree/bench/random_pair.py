@@ -1,5 +1,8 @@
-"""Random-weight targets and DFlash drafters of real shapes, built directly on the device (no
-checkpoint written), for benchmarks with the acceptance oracle.
+"""Random-weight targets and DFlash drafters of real shapes (`flashtree/bench/shapes.py`): built
+on the device as modules (`random_target`, `random_drafter`, served by `LLM.from_modules`), or
+written as Hugging Face checkpoints (`save_target`, `save_drafter`) for what must load from a
+path (tensor-parallel ranks, transformers, the reference `dflash` package). Both fill every
+tensor by the same rule (`_random`).
 
 The target is made decisive, so that plain decoding, chain verify and tree verify pick the
 same greedy token although their kernels round differently. Scaling the LM head alone cannot
@@ -12,31 +15,17 @@ costs on the real model; attention, MLPs and the drafter all run on real data.""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-from flashtree.config import ModelConfig
+from flashtree.bench.shapes import QWEN3_8B, SHAPES, TINY  # noqa: F401  (importable here)
+from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashConfig, DFlashDraftModel
 from flashtree.models.llama import DecoderModel
 from flashtree.models.loader import model_class
 
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                rope_theta=1e6, max_position_embeddings=40960)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=512, rope_theta=1e4,
-            max_position_embeddings=4096)
-# Qwen3-30B-A3B: 48 layers, all of them 128 experts of 768, top-8.
-QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                     num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                     vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960,
-                     architectures=["Qwen3MoeForCausalLM"], num_experts=128,
-                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                     decoder_sparse_step=1, mlp_only_layers=[])
-TINY_MOE = dict(TINY, architectures=["Qwen3MoeForCausalLM"], num_experts=8,
-                num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                decoder_sparse_step=1, mlp_only_layers=[])
-SHAPES = {"qwen3-8b": QWEN3_8B, "tiny": TINY, "qwen3-30b-a3b": QWEN3_30B_A3B,
-          "tiny-moe": TINY_MOE}
 _COMMON = dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False, rms_norm_eps=1e-6,
                bos_token_id=None, eos_token_id=None, pad_token_id=None)
 _INPUT_STD = 0.02
@@ -46,23 +35,37 @@ _INPUT_STD = 0.02
 # one row of the shared LM head and would otherwise win every slot.
 _TARGET_RESIDUAL_SCALE = 0.05
 _DRAFTER_RESIDUAL_SCALE = 20.0
+_SHARD_BYTES = 4e9  # checkpoint shards of at most this size, as released checkpoints have
+
+
+def _random(name: str, shape: torch.Size, gen: torch.Generator, residual_scale: float
+            ) -> torch.Tensor:
+    """The value of tensor `name`: norms (and other vectors) 1, output projections
+    N(0, residual_scale^2 / fan_in), every other matrix N(0, 0.02^2); on the generator's
+    device, float32."""
+    if len(shape) == 1:
+        return torch.ones(shape, device=gen.device)
+    std = _INPUT_STD
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std = residual_scale / shape[-1] ** 0.5
+    return torch.randn(shape, generator=gen, device=gen.device) * std
 
 
 def _fill(module: torch.nn.Module, gen: torch.Generator, residual_scale: float,
           skip: tuple[str, ...] = ()) -> None:
-    """In place: norms 1, output projections N(0, residual_scale^2 / fan_in), every other
-    matrix N(0, 0.02^2)."""
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if name.startswith(skip):
-                continue
-            if p.dim() == 1:
-                p.fill_(1.0)
-                continue
-            std = _INPUT_STD
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                std = residual_scale / p.shape[1] ** 0.5
-            p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
+            if not name.startswith(skip):
+                p.copy_(_random(name, p.shape, gen, residual_scale))
+
+
+def _decisive_head(emb: torch.Tensor, head: torch.Tensor, gen: torch.Generator) -> None:
+    """In place: unit-variance embeddings, the LM head their rows in a random order (token
+    order[v] is followed by v)."""
+    with torch.no_grad():
+        emb.copy_(torch.randn(emb.shape, generator=gen, device=emb.device))
+        order = torch.randperm(emb.shape[0], generator=gen, device=emb.device)
+        head.copy_(emb[order])
 
 
 def random_target(shape: dict, dtype: torch.dtype, device: torch.device | str, seed: int = 1
@@ -75,28 +78,29 @@ def random_target(shape: dict, dtype: torch.dtype, device: torch.device | str, s
         model = model_class(cfg)(cfg)
     model.to(dtype)
     _fill(model, gen, _TARGET_RESIDUAL_SCALE, skip=("embed_tokens", "lm_head"))
-    with torch.no_grad():
-        emb = model.embed_tokens.weight
-        emb.copy_(torch.randn(emb.shape, generator=gen, device=emb.device))
-        order = torch.randperm(emb.shape[0], generator=gen, device=emb.device)
-        model.lm_head.weight.copy_(emb[order])  # token order[v] is followed by v
+    _decisive_head(model.embed_tokens.weight, model.lm_head.weight, gen)
     model.weights_loaded()
     return model.eval(), cfg
+
+
+def _drafter_config(target_layers: int, shape: dict, layers: int, block_size: int) -> dict:
+    """The z-lab DFlash config of a drafter of `layers` Qwen3 layers of `shape` reading five
+    spaced layers of a target of `target_layers` (as the Qwen3-8B drafter does)."""
+    taps = sorted({round(1 + i * (target_layers - 3) / 4) for i in range(5)})
+    return {**shape, **_COMMON, "num_hidden_layers": layers, "architectures": ["DFlashDraftModel"],
+            "block_size": block_size, "layer_types": ["full_attention"] * layers,
+            "num_target_layers": target_layers,
+            "dflash_config": {"target_layer_ids": taps, "mask_token_id": shape["vocab_size"] - 1}}
 
 
 def random_drafter(target_cfg: ModelConfig, shape: dict, dtype: torch.dtype,
                    device: torch.device | str, layers: int = 5, block_size: int = 16,
                    logit_std: float = 10.0, seed: int = 2) -> DFlashDraftModel:
-    """A DFlash drafter for `target_cfg` with `layers` Qwen3 layers of `shape` and five tapped
-    target layers, as the Qwen3-8B drafter has. Its final norm is set so that its logits over
-    the target's LM head spread with standard deviation `logit_std` (10: over a 152k vocabulary
-    its top token then holds 65-75% of the mass, a confident drafter's guess)."""
-    n = target_cfg.num_layers
-    taps = sorted({round(1 + i * (n - 3) / 4) for i in range(5)})
-    cfg = DFlashConfig.from_hf({
-        **shape, **_COMMON, "num_hidden_layers": layers, "architectures": ["DFlashDraftModel"],
-        "block_size": block_size, "layer_types": ["full_attention"] * layers,
-        "dflash_config": {"target_layer_ids": taps, "mask_token_id": shape["vocab_size"] - 1}})
+    """A DFlash drafter for `target_cfg` with `layers` Qwen3 layers of `shape` (its entry in
+    shapes.DRAFTERS). Its final norm is set so that its logits over the target's LM head
+    spread with standard deviation `logit_std` (10: over a 152k vocabulary its top token then
+    holds 65-75% of the mass, a confident drafter's guess)."""
+    cfg = DFlashConfig.from_hf(_drafter_config(target_cfg.num_layers, shape, layers, block_size))
     gen = torch.Generator(device).manual_seed(seed)
     with torch.device(device):
         drafter = DFlashDraftModel(cfg)
@@ -111,3 +115,95 @@ def top2_gaps(logits: torch.Tensor) -> torch.Tensor:
     """Per row, the top-1 logit minus the top-2 logit ([N, V] -> [N])."""
     top = logits.float().topk(2, dim=-1).values
     return top[..., 0] - top[..., 1]
+
+
+def save_target(out: Path, shape: dict, device: str, seed: int = 1) -> Path:
+    """`random_target`'s model as a bf16 Hugging Face checkpoint in `out` (kept if there):
+    tensors named by transformers' class for the architecture, MoE experts one tensor per
+    expert and projection as released checkpoints hold them."""
+    import transformers
+
+    cfg = {**_COMMON, **shape}
+    family = cfg["architectures"][0].removesuffix("ForCausalLM")
+    config = getattr(transformers, f"{family}Config")(**cfg)
+    with torch.device("meta"):
+        names = _per_expert(getattr(transformers, f"{family}ForCausalLM")(config).state_dict())
+    if config.tie_word_embeddings:
+        names.pop("lm_head.weight", None)
+    return _save(out, config, names, seed, _TARGET_RESIDUAL_SCALE, device, decisive=True)
+
+
+def save_drafter(out: Path, target_layers: int, shape: dict, layers: int, block_size: int,
+                 device: str, logit_std: float = 10.0, seed: int = 2) -> Path:
+    """`random_drafter`'s drafter as a z-lab DFlash checkpoint (the reference `dflash`
+    package's format) in `out` (kept if there)."""
+    from dflash.model import DFlashDraftModel as Reference
+    from transformers import Qwen3Config
+
+    raw = _drafter_config(target_layers, shape, layers, block_size)
+    config = Qwen3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    config.architectures, config.block_size = raw["architectures"], block_size
+    config.num_target_layers, config.dflash_config = target_layers, raw["dflash_config"]
+    with torch.device("meta"):
+        names = Reference(config).state_dict()
+    norm = logit_std / shape["hidden_size"] ** 0.5
+    return _save(out, config, names, seed, _DRAFTER_RESIDUAL_SCALE, device, final_norm=norm)
+
+
+def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused expert tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) split into experts.{e}.{gate,up,down}_proj.weight."""
+    out = {}
+    for name, p in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(p.shape[0]):
+                for proj in ("gate_proj", "up_proj"):
+                    out[f"{name[:-12]}{e}.{proj}.weight"] = p[e, : p.shape[1] // 2]
+        elif name.endswith("experts.down_proj"):
+            for e in range(p.shape[0]):
+                out[f"{name[:-9]}{e}.down_proj.weight"] = p[e]
+        else:
+            out[name] = p
+    return out
+
+
+def _save(out: Path, config, tensors: dict[str, torch.Tensor], seed: int, residual_scale: float,
+          device: str, decisive: bool = False, final_norm: float | None = None) -> Path:
+    """Random values for `tensors` (names and shapes; meta) as bf16 safetensors shards with an
+    index, and `config`, in `out`; nothing done when the index is already there."""
+    from safetensors.torch import save_file
+
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device).manual_seed(seed)
+    values = {n: _random(n, p.shape, gen, residual_scale) for n, p in tensors.items()
+              if not (decisive and n.endswith(("embed_tokens.weight", "lm_head.weight")))}
+    if decisive:
+        emb = next(n for n in tensors if n.endswith("embed_tokens.weight"))
+        values[emb] = torch.empty(tensors[emb].shape, device=device)
+        head = torch.empty_like(values[emb])  # tied: unused, the embedding is the LM head
+        if "lm_head.weight" in tensors:
+            values["lm_head.weight"] = head
+        _decisive_head(values[emb], head, gen)
+    if final_norm is not None:
+        values["norm.weight"].fill_(final_norm)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, v in values.items():
+        t = v.to(torch.bfloat16).cpu()
+        if size + t.numel() * 2 > _SHARD_BYTES and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.numel() * 2
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    config.save_pretrained(out)
+    index.write_text(json.dumps({"metadata": {"total_size": 2 * sum(
+        t.numel() for s in shards for t in s.values())}, "weight_map": weight_map}))
+    return out

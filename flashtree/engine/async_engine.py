@@ -144,7 +144,7 @@ class AsyncEngine:
         first = req.first_token is None
         if first:
             req.first_token = now
-        text, delta_text = self.engine.stream_text(seq), ""
+        text, delta_text = self.engine.outputs.stream_text(seq), ""
         if text.startswith(req.sent_text):  # text already sent never changes
             delta_text, req.sent_text = text[len(req.sent_text):], text
         tokens = seq.output_ids[req.sent_tokens:]

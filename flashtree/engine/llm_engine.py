@@ -3,41 +3,32 @@ scheduled forward (plain or speculative) and returns the sequences that got new 
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import itertools
 import time
 
 import torch
 
-from flashtree.config import EngineConfig, ModelConfig, SpecConfig
-from flashtree.distributed import tp_min
+from flashtree.config import EngineConfig
 from flashtree.distributed.vocab import vocab_argmax
+from flashtree.engine.output_processor import OutputProcessor
 from flashtree.engine.scheduler import ScheduledChunk, Scheduler, step_kind
-from flashtree.graphs.runner import batch_buckets
-from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache, PageTables
-from flashtree.logprobs import output_logprobs, prompt_logprobs
+from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashDraftModel
 from flashtree.models.llama import DecoderModel
+from flashtree.runner.capture import mixes_in_graphs, plan_graphs
 from flashtree.runner.forward_batch import BatchItem, Mode
+from flashtree.runner.kv_pool import kv_pool_pages
 from flashtree.runner.model_runner import ModelRunner
 from flashtree.sampling import SamplingParams, SamplingRow, sample_tokens
 from flashtree.sequence import Sequence
-from flashtree.speculative.decoder import SpeculativeDecoder
 from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy, SpecPolicy, StepResult
 from flashtree.speculative.proposer import ContextRows, DFlashProposer
+from flashtree.speculative.stats import SpecStats
+from flashtree.speculative.step import SpeculativeStep
 from flashtree.structured_output import GrammarCompiler, mask_by_grammar
 from flashtree.tokenizer import Tokenizer
-from flashtree.transfer import to_device
-
-# Largest captured forward in token rows (beyond max_num_seqs decode rows): bigger verify
-# batches run eagerly, where launch overhead is small next to the work.
-_GRAPH_MAX_ROWS = 8192
-# Prompt chunks replay graphs of these tokens per request, up to _PREFILL_MAX_ROWS rows: an
-# eager prefill of a short prompt costs about ten decode steps in kernel launches, and wherever
-# requests finish at different steps (speculation makes them), each admission is one.
-_PREFILL_TOKENS = (32, 64, 128, 256)
-_PREFILL_MAX_ROWS = 2048
 
 
 class LLMEngine:
@@ -54,15 +45,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.args = args
         kv_heads, k_dim, v_dim = model.kv_cache_dims()  # this rank's share
-        bytes_per_token = model_cfg.num_layers * kv_heads * (k_dim + v_dim)
-        if drafter is not None:
-            d = drafter.layers[0].self_attn
-            bytes_per_token += 2 * len(drafter.layers) * d.num_kv_heads * d.head_dim
-        # Every TP rank must schedule alike: all take the smallest rank's page count.
-        num_pages = tp_min(args.cache.resolve_num_pages(
-            args.scheduler.max_num_seqs, args.scheduler.max_model_len,
-            bytes_per_token * args.dtype.itemsize, args.device,
-        ), args.device)
+        num_pages = kv_pool_pages(args, model, drafter)
         # One page more than the page tables hand out: its first slot takes the K/V of a
         # captured graph's padded tokens.
         self.cache = KVCache(
@@ -71,8 +54,10 @@ class LLMEngine:
         )
         self.pages = PageTables(num_pages, args.cache.page_size, args.cache.prefix_caching)
         self.proposer: DFlashProposer | None = None
-        self.speculative: SpeculativeDecoder | None = None
+        self.speculative: SpeculativeStep | None = None
         self.policy: SpecPolicy | None = None
+        # Speculation counters (server/metrics.py), recorded by this class only.
+        self.spec_stats: SpecStats | None = None
         spec = args.spec
         self.lookahead = 0 if spec is None else spec.lookahead
         if drafter is not None:
@@ -82,59 +67,27 @@ class LLMEngine:
         self.scheduler = Scheduler(args.scheduler, self.pages)
         self.runner = ModelRunner(model, self.cache, self.pages,
                                   drafter.cfg.target_layer_ids if drafter is not None else ())
-        if self.uses_cuda_graphs:
-            self._capture_graphs(spec)
-            self.scheduler.mixes = self._mixes_in_graphs
+        plan = plan_graphs(args, self.pages.scratch_slot)
+        if plan is not None:
+            if self.proposer is not None:
+                self.proposer.capture_graphs(plan)
+            self.runner.capture_graphs(
+                plan.dims, plan.buckets, plan.target,
+                context_writer=None if self.proposer is None else self.proposer.write_context)
+            self.scheduler.mixes = functools.partial(mixes_in_graphs, self.runner.graphs)
         if spec is not None:
             assert self.proposer is not None
-            self.speculative = SpeculativeDecoder(spec, self.proposer, self.runner, self.cache,
-                                                  self.pages)
+            self.speculative = SpeculativeStep(spec, self.proposer, self.runner, self.cache,
+                                               self.pages)
+            self.spec_stats = SpecStats()
             self.policy = (AdaptivePolicy(spec.max_budget) if spec.policy == "adaptive"
                            else FixedPolicy(spec.max_budget))
         self._ids = itertools.count()
         eos = set(model_cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.outputs = OutputProcessor(self.scheduler, tokenizer, frozenset(eos))
         self._grammars: GrammarCompiler | None = None  # built for the first guided request
-
-    @property
-    def uses_cuda_graphs(self) -> bool:
-        """Decode, short prompt chunks, draft and verify replay CUDA graphs on CUDA, unless
-        `enforce_eager`; under tensor parallelism every rank captures the same graphs, with
-        their collectives inside, and replays them in the same order."""
-        return self.args.device.type == "cuda" and not self.args.enforce_eager
-
-    def _capture_graphs(self, spec: SpecConfig | None) -> None:
-        """Capture decode (1 token per request), short prompt chunks and, with a drafter, the
-        draft block and the verify shape (a chain or a tree of budget + 1 tokens), for batch
-        buckets up to max_num_seqs."""
-        page = self.args.cache.page_size
-        longest = self.args.scheduler.max_model_len + self.lookahead
-        dims = GraphDims(max_pages=-(-longest // page) + 1, scratch_slot=self.pages.scratch_slot)
-        buckets = batch_buckets(self.args.scheduler.max_num_seqs)
-        max_rows = max(_GRAPH_MAX_ROWS, self.args.scheduler.max_num_seqs)
-        shapes = [(GraphMode.DECODE, 1, max_rows)]
-        shapes += [(GraphMode.PREFILL, t, _PREFILL_MAX_ROWS) for t in _PREFILL_TOKENS]
-        if spec is not None:
-            mode = GraphMode.VERIFY_TREE if spec.method == "ddtree" else GraphMode.VERIFY_CHAIN
-            shapes.append((mode, spec.max_budget + 1, max_rows))
-            assert self.proposer is not None
-            self.proposer.capture_graphs(dims, buckets, spec.block_size, max_rows)
-        self.runner.capture_graphs(
-            dims, buckets, shapes,
-            context_writer=None if self.proposer is None else self.proposer.write_context)
-
-    def _mixes_in_graphs(self, prompt_chunks: int, decode_tokens: int, longest_chunk: int
-                         ) -> bool:
-        """A mixed step replays a prompt graph whose every row is padded to the longest
-        chunk: it runs unless the prompt chunks alone would replay one and the mixed batch
-        would not (run eagerly, a prompt step costs about ten decode steps in launches)."""
-        graphs = self.runner.graphs
-        assert graphs is not None
-        return (graphs.bucket(GraphMode.PREFILL, prompt_chunks + decode_tokens, longest_chunk)
-                is not None
-                or graphs.bucket(GraphMode.PREFILL, prompt_chunks, longest_chunk) is None)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -179,7 +132,7 @@ class LLMEngine:
                              "built without one (skip_tokenizer_init)")
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_cfg.vocab_size,
-                                             self.eos_token_ids)
+                                             self.outputs.eos_token_ids)
         return self._grammars
 
     def has_unfinished(self) -> bool:
@@ -199,17 +152,17 @@ class LLMEngine:
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
         kind = step_kind(chunks)
         if self.speculative is None or kind != "decode":
-            if self.speculative is not None and kind == "mixed":  # plain for the decoding
-                self.speculative.stats.record_budget(0, sum(c.decode for c in chunks))
+            if self.spec_stats is not None and kind == "mixed":  # plain for the decoding
+                self.spec_stats.record_budget(0, sum(c.decode for c in chunks))
             return self._plain_step(chunks)
         outputs_before = sum(len(c.seq.output_ids) for c in chunks)
-        assert self.policy is not None
+        assert self.policy is not None and self.spec_stats is not None
         speculate = self.policy.plan(len(chunks)) > 0 and self._reserve_lookahead(chunks)
         if speculate:
-            self.speculative.stats.record_speculative_step(len(chunks))
+            self.spec_stats.record_speculative_step(len(chunks))
             done = self._speculative_step(chunks)
         else:
-            self.speculative.stats.record_budget(0, len(chunks))
+            self.spec_stats.record_budget(0, len(chunks))
             done = self._plain_step(chunks)
         committed = sum(len(c.seq.output_ids) for c in chunks) - outputs_before
         self.policy.observe(StepResult(speculate, len(chunks), committed,
@@ -248,7 +201,7 @@ class LLMEngine:
                       and not any(scores_prompt))
         logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
         if any(scores_prompt):
-            logits = self._record_prompt_logprobs(chunks, scores_prompt, logits)
+            logits = self.outputs.record_prompt_logprobs(chunks, scores_prompt, logits)
         for c in chunks:
             c.seq.num_computed = c.start + c.count
             self.pages.set_length(c.seq.seq_id, c.seq.num_computed)
@@ -272,31 +225,9 @@ class LLMEngine:
             tokens = self._sample(logits, sampling)
         for i, (c, token) in enumerate(zip(sampling, tokens)):
             if token is not None:
-                with self._isolated(c.seq):
-                    self._append(c.seq, [token], record=c.decode, logits=logits[i : i + 1])
+                with self.outputs.isolated(c.seq):
+                    self.outputs.append(c.seq, [token], record=c.decode, logits=logits[i : i + 1])
         return [c.seq for c in sampling]
-
-    def _record_prompt_logprobs(self, chunks: list[ScheduledChunk], scores_prompt: list[bool],
-                                logits: torch.Tensor) -> torch.Tensor:
-        """Append the prompt log-probs that chunks scoring every row computed; return the
-        sampling chunks' rows (each chunk's last row, where it samples)."""
-        sample_rows, row = [], 0
-        for c, every in zip(chunks, scores_prompt):
-            rows = c.count if every else int(c.samples)
-            if every:
-                seq, first = c.seq, c.start + 1  # row j scores the token at c.start + j + 1
-                have = len(seq.prompt_logprobs)
-                end = min(c.start + c.count + 1, len(seq.prompt_ids))
-                assert have >= first, f"request {seq.seq_id}: prompt log-probs skip {have}.."
-                if end > have:
-                    with self._isolated(seq):
-                        seq.prompt_logprobs += prompt_logprobs(
-                            logits[row + have - first : row + end - first],
-                            seq.prompt_ids[have:end], seq.params.prompt_logprobs)
-            if c.samples:
-                sample_rows.append(row + rows - 1)
-            row += rows
-        return logits[to_device(sample_rows, logits.device)]
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int | None]:
         """One token per chunk (logits [len(chunks), vocab]), drawn for the whole batch at once;
@@ -309,88 +240,18 @@ class LLMEngine:
             tokens: list[int | None] = []
             for i, c in enumerate(chunks):
                 tokens.append(None)
-                with self._isolated(c.seq):
+                with self.outputs.isolated(c.seq):
                     tokens[-1] = sample_tokens(logits[i : i + 1], rows[i : i + 1])[0]
             return tokens
 
-    @contextlib.contextmanager
-    def _isolated(self, seq: Sequence):
-        """An exception while finishing one request's step fails that request only."""
-        try:
-            yield
-        except Exception as e:  # noqa: BLE001 - reported on the request, the batch goes on
-            seq.error = f"{type(e).__name__}: {e}"
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "error")
-
     def _speculative_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
-        assert self.speculative is not None
+        assert self.speculative is not None and self.spec_stats is not None
         seqs = [c.seq for c in chunks]
-        for seq, verified in zip(seqs, self.speculative.step(seqs)):
-            with self._isolated(seq):
-                self._append(seq, verified.tokens, record=True, logits=verified.logits)
+        for seq, verified in zip(seqs, self.speculative.run(seqs)):
+            self.spec_stats.record_budget(verified.num_candidates)
+            with self.outputs.isolated(seq):
+                self.outputs.append(seq, verified.tokens, record=True, logits=verified.logits)
                 # Counted after stop conditions, so the counters match the returned tokens.
                 committed = seq.spec_accept_lengths[-1]
-                self.speculative.stats.record(verified.num_candidates, committed - 1)
+                self.spec_stats.record(verified.num_candidates, committed - 1)
         return seqs
-
-    # ------------------------------------------------------------------ finishing
-    def _append(self, seq: Sequence, tokens: list[int], record: bool,
-                logits: torch.Tensor | None) -> None:
-        """Append tokens one by one, stopping at the first that finishes the request.
-        `record`: count them as one target forward's commit in spec_accept_lengths.
-        `logits`: the rows that decided the tokens [len(tokens), vocab], for log-probs."""
-        before, produced = len(seq.output_ids), 0
-        for token in tokens:
-            seq.output_ids.append(token)
-            produced += 1
-            if seq.matcher is not None:
-                seq.matcher.accept(token)
-            if self._check_finished(seq):
-                break
-        if record:
-            seq.spec_accept_lengths.append(produced)
-        if seq.params.logprobs is not None:
-            assert logits is not None, f"request {seq.seq_id} asked for log-probs: no logits"
-            seq.logprobs += output_logprobs(logits[:produced], seq.params, seq.prompt_ids,
-                                            seq.output_ids[:before], tokens[:produced])
-
-    def _check_finished(self, seq: Sequence) -> bool:
-        params, token = seq.params, seq.output_ids[-1]
-        if params.stop_strings and self.tokenizer is not None:
-            text = self.decode(seq)
-            hits = [i for i in (text.find(s) for s in params.stop_strings) if i >= 0]
-            if hits:
-                self.scheduler.finish(seq, "stop")
-                seq.text = text[: min(hits)]
-                return True
-        grammar_ended = seq.matcher is not None and seq.matcher.ended
-        if (not params.ignore_eos and token in self.eos_token_ids) or (
-            token in params.stop_token_ids
-        ) or grammar_ended:
-            self.scheduler.finish(seq, "stop")
-        elif seq.num_tokens >= seq.max_total_len:
-            self.scheduler.finish(seq, "length")
-        if seq.is_finished and self.tokenizer is not None:
-            seq.text = self.decode(seq)
-        return seq.is_finished
-
-    def stream_text(self, seq: Sequence) -> str:
-        """The part of the output text that is final: all of it once finished; before that,
-        without a trailing incomplete UTF-8 character or a possible stop-string prefix."""
-        if seq.is_finished:
-            return seq.text
-        text = self.decode(seq).rstrip("\ufffd")
-        hold = max((len(s) - 1 for s in seq.params.stop_strings), default=0)
-        return text[: len(text) - hold] if hold else text
-
-    def decode(self, seq: Sequence) -> str:
-        """The output text, without the end-of-sequence token that stopped it (which
-        skip_special_tokens=False would spell out)."""
-        assert self.tokenizer is not None, "decode needs a tokenizer"
-        ids = seq.output_ids
-        if seq.finish_reason == "stop" and ids and (
-                ids[-1] in self.eos_token_ids or ids[-1] in seq.params.stop_token_ids):
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, seq.params.skip_special_tokens)
-

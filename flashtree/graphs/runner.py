@@ -73,6 +73,7 @@ class GraphRunner:
         # bucket()'s answers: every step asks, and adaptive speculation captures many keys.
         self._buckets: dict[tuple[GraphMode, int, int], GraphKey | None] = {}
         self._pool = None  # memory pool shared by all captures (they never run concurrently)
+        self.replays = 0  # CUDA graph replays so far (benchmarks check their steps replayed)
 
     @property
     def keys(self) -> list[GraphKey]:
@@ -127,6 +128,7 @@ class GraphRunner:
         if entry.graph is None:
             return self.forward(key, entry.static)
         entry.graph.replay()
+        self.replays += 1
         return entry.outputs
 
     def _capture(self, key: GraphKey, static: dict[str, torch.Tensor]

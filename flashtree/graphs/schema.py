@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtree.attention.backend import AttentionMetadata
+
 
 class GraphMode(enum.Enum):
     DECODE = "decode"  # plain AR decode, 1 token per request
@@ -174,3 +176,16 @@ def copy_inputs(key: GraphKey, static: Mapping[str, torch.Tensor], inputs: Input
         elif src.shape != dst.shape:
             dst.fill_(dims.scratch_slot if f.pad == SCRATCH else f.pad)
         dst[box].copy_(src)
+
+
+def static_metadata(key: GraphKey, static: Mapping[str, torch.Tensor], page_size: int
+                    ) -> AttentionMetadata:
+    """Attention metadata over the static buffers of `key` (views, never copies): the padded
+    layout, read by backends that plan nothing on the host inside the forward."""
+    page_tables = static["page_tables"]  # [batch, max_pages]
+    return AttentionMetadata(
+        query_start=static["query_start"], kv_lens=static["kv_lens"],
+        slot_mapping=static["slot_mapping"], page_tables=page_tables,
+        max_query_len=key.tokens, max_kv_len=page_tables.shape[1] * page_size,
+        new_token_mask=static.get("new_token_mask"), padded=True,
+    )

@@ -132,8 +132,8 @@ class Tiles(NamedTuple):
 
 
 def default_tiles(experts: StackedExperts) -> Tiles:
-    # The fastest of `benchmarks/moe_bench.py --tiles` on an H200 at 1-128 tokens
-    # (benchmarks/results/2026-12-04-moe-gpu.md).
+    # The fastest of `python -m benchmarks.moe --tiles` on an H200 at 1-128 tokens
+    # (benchmarks/results/archive/2026-12-04-moe-gpu.md).
     return Tiles(block_k=256) if experts.group else Tiles()
 
 

@@ -1,9 +1,9 @@
 """y = x W^T for one row of x on CUDA: the GEMMs of a batch-1 decode step, a weight read once.
 
 On an H200 this streams the smaller Qwen3-8B projections (q/k/v, o, down) faster than cuBLAS
-does at batch 1 (docs/benchmarks.md, `benchmarks/gemv_bench.py`). `layers.dense` chooses it;
-every other case (several rows, float32, CPU, autograd) stays with `F.linear`. Results equal
-`F.linear`'s up to float32 summation order."""
+does at batch 1 (docs/benchmarks.md, `python -m benchmarks.kernels --sections gemv`).
+`layers.dense` chooses it; every other case (several rows, float32, CPU, autograd) stays
+with `F.linear`. Results equal `F.linear`'s up to float32 summation order."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK_N, _BLOCK_K, _WARPS, _STAGES = 8, 512, 4, 3  # see benchmarks/gemv_bench.py
+_BLOCK_N, _BLOCK_K, _WARPS, _STAGES = 8, 512, 4, 3  # see benchmarks/kernels.py --sections gemv
 
 
 @triton.jit

@@ -5,7 +5,7 @@ and, for Q4_1, a minimum) repacked at load into PyTorch's int4 layout, multiplie
 exactly; the products differ from float32 by those bfloat16 roundings. A decode step
 streams its weights from memory, so 4-bit codes (84 MB for the default model against 538 MB as
 float32) run its matmuls 3.35x faster on 2 cores
-(`benchmarks/results/2026-12-05-cpu-kernels.md`)."""
+(`benchmarks/results/archive/2026-12-05-cpu-kernels.md`)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ class Q8Weight:
     """A [out, in] weight of signed 8-bit codes c with a scale d per group of 32 (GGUF Q8_0,
     w = c d), multiplied as two 4-bit planes of c + 128 = 16 h + l through the int4 kernel:
     w = (h - 8) 16 d + (l - 8) d + 8 d. Two 4-bit reads cost less than one float32 or bfloat16
-    read of the same weight (the LM head: `benchmarks/results/2026-12-05-cpu-kernels.md`)."""
+    read of the same weight (the LM head:
+    `benchmarks/results/archive/2026-12-05-cpu-kernels.md`)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         unsigned = codes.int() + 128

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashtree.config import MoEConfig
 from flashtree.distributed import get_ep_rank, get_ep_size, get_moe_tp, tp_all_reduce
 from flashtree.layers import fused_kernels_apply
 from flashtree.layers.activation import silu_mul
+from flashtree.layers.config import MoEConfig
 from flashtree.layers.int4 import dequantize_int4
 from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
 from flashtree.layers.stacked_experts import StackedExperts

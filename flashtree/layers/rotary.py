@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashtree.config import RopeConfig
 from flashtree.layers import fused_kernels_apply
+from flashtree.layers.config import RopeConfig
 from flashtree.layers.norm import RMSNorm
 
 if TYPE_CHECKING:

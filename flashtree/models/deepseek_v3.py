@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from flashtree.attention.backend import AttentionBackend
-from flashtree.config import ModelConfig
 from flashtree.distributed import get_tp_size
 from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
 from flashtree.layers.norm import RMSNorm
 from flashtree.layers.rotary import apply_rotary, deinterleave, softmax_mscale
+from flashtree.models.config import ModelConfig
 from flashtree.models.llama import DecoderModel
 from flashtree.models.qwen3_moe import MoEDecoderLayer, skip_moe_tensor
 

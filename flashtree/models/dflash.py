@@ -10,6 +10,7 @@ attends to context K/V built from the target's hidden states of committed tokens
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree.attention.backend import AttentionBackend
-from flashtree.config import ModelConfig
 from flashtree.layers.norm import RMSNorm
 from flashtree.layers.rotary import RotaryEmbedding, norm_rotary
+from flashtree.models.config import ModelConfig
 from flashtree.models.llama import STACKED, DecoderLayer
 from flashtree.models.loader import iter_safetensors, safetensors_files
 
@@ -291,6 +292,32 @@ class DFlashDraftModel(nn.Module):
                 missing.append(f"{full} (got {len(shards)} of {need} stacked parts)")
         if missing:
             raise ValueError(f"drafter checkpoint is missing tensors: {missing}")
+
+
+class DFlashDrafter:
+    """The drafter in the shape a ModelRunner drives, `DecoderModel`'s: token ids in through
+    the target's embedding, logits out through the target's LM head. Its layers' mask kinds
+    (`layer_kinds`) are its own: the runner's backend gives each layer its kind's."""
+
+    def __init__(self, draft: DFlashDraftModel, embed_tokens: nn.Module, lm_head: nn.Module
+                 ) -> None:
+        self.draft, self.embed_tokens, self.lm_head = draft, embed_tokens, lm_head
+        cfg = draft.cfg
+        self.layer_kinds = tuple(zip(cfg.layer_causal, cfg.layer_windows))
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+        capture_layers: tuple[int, ...] = (),
+        on_captured: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids, positions: [n] (the blocks, all requests packed) -> (final-normed draft
+        hidden [n, hidden], no captured layers)."""
+        assert not capture_layers and on_captured is None, "the drafter's layers are not read"
+        embeds = self.embed_tokens(input_ids)  # [n, hidden]
+        return self.draft(embeds, positions, [backend] * len(self.draft.layers)), []
+
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        return self.draft.logits(hidden, self.lm_head, gather)
 
 
 def load_dflash_drafter(

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashtree.config import ModelConfig
+from flashtree.models.config import ModelConfig
 
 # GGUF architecture -> HF architecture. Only Llama is exercised against transformers' own GGUF
 # loader; other architectures are refused rather than loaded on an unverified name mapping.

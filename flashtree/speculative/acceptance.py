@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -21,41 +21,8 @@ from flashtree.distributed.vocab import vocab_argmax
 from flashtree.runner.forward_batch import causal_mask
 from flashtree.sampling import inverse_cdf, penalize_rows, probabilities, uniform
 from flashtree.sequence import Sequence
+from flashtree.speculative.types import Candidates, Walk
 from flashtree.transfer import lists_to_device, to_device
-
-if TYPE_CHECKING:
-    from flashtree.speculative.candidates import Planned
-
-Walk = tuple[list[int], list[int]]  # a request's accepted nodes (root first), committed tokens
-
-
-@dataclass
-class Candidates:
-    """One request's verify input: node 0 is the root (the bonus token), node order is
-    topological. `children[v]` maps a token to the child of v that carries it."""
-
-    tokens: list[int]  # [n] node tokens
-    children: list[dict[int, int]]
-    parents: list[int]  # [n] parent node of each node; the root points at itself (0)
-    positions: list[int] | None = None  # [n] committed length + depth; None: a chain
-    visible: torch.Tensor | None = None  # [n, n] ancestor-or-self mask; None: causal chain
-
-    @staticmethod
-    def chain(bonus: int, drafts: list[int]) -> Candidates:
-        children = [{d: j + 1} for j, d in enumerate(drafts)] + [{}]
-        return Candidates([bonus, *drafts], children, [0, *range(len(drafts))])
-
-    @staticmethod
-    def tree(
-        tokens: list[int], parents: list[int], depths: list[int], start: int,
-        visible: torch.Tensor,
-    ) -> Candidates:
-        children: list[dict[int, int]] = [{} for _ in tokens]
-        for node in range(1, len(tokens)):
-            assert parents[node] < node, f"node {node} has parent {parents[node]}: not topological"
-            assert tokens[node] not in children[parents[node]], f"duplicate sibling at {node}"
-            children[parents[node]][tokens[node]] = node
-        return Candidates(tokens, children, list(parents), [start + d for d in depths], visible)
 
 
 def walk(
@@ -189,35 +156,36 @@ def _without(probs: torch.Tensor, token: int) -> torch.Tensor:
     return probs / probs.sum()
 
 
-def accept(seqs: list[Sequence], plans: list[Planned], logits: torch.Tensor, vocab_start: int
-           ) -> list[Walk]:
+def accept(seqs: list[Sequence], cands: list[Candidates], logits: torch.Tensor,
+           vocab_start: int) -> list[Walk]:
     """Every request's walk over its candidates; logits: the verify forward's rows, request
     after request ([sum of candidates, V]: this TP rank's vocab slice when every request is
     greedy, else the whole vocabulary)."""
     if all(s.params.argmax_only for s in seqs):
-        return _greedy_walks(plans, logits, vocab_start)
+        return _greedy_walks(cands, logits, vocab_start)
     rows, base = [], 0
-    for seq, plan in zip(seqs, plans):
-        n = len(plan.cand.tokens)
-        rows.append(_processed_rows(seq, plan.cand, logits[base : base + n]))
+    for seq, cand in zip(seqs, cands):
+        n = len(cand.tokens)
+        rows.append(_processed_rows(seq, cand, logits[base : base + n]))
         base += n
-    decisions = _node_decisions(seqs, plans, rows)
+    decisions = _node_decisions(seqs, cands, rows)
     walks = []
-    for seq, plan, seq_rows, seq_decisions in zip(seqs, plans, rows, decisions):
-        if plan.draft_probs is not None:
-            walks.append(walk_rrs(plan.cand.children, plan.depths,
-                                  lambda v, _prev, r=seq_rows: r[v], plan.draft_probs,
+    for seq, cand, seq_rows, seq_decisions in zip(seqs, cands, rows, decisions):
+        if cand.draft_probs is not None:
+            walks.append(walk_rrs(cand.children, cand.depths,
+                                  lambda v, _prev, r=seq_rows: r[v], cand.draft_probs,
                                   GeneratorDraws(seq.generator)))
         else:
-            walks.append(walk(plan.cand.children, lambda v, _prev, d=seq_decisions: d[v]))
+            walks.append(walk(cand.children, lambda v, _prev, d=seq_decisions: d[v]))
     return walks
 
 
-def _greedy_walks(plans: list[Planned], logits: torch.Tensor, vocab_start: int) -> list[Walk]:
+def _greedy_walks(cands: list[Candidates], logits: torch.Tensor, vocab_start: int
+                  ) -> list[Walk]:
     """Every request's greedy walk as one batch of device ops (TP ranks reduce their vocab
     slices for the argmax) and one host sync for the result."""
     device = logits.device
-    sizes = [len(p.cand.tokens) for p in plans]
+    sizes = [len(c.tokens) for c in cands]
     n, starts = max(sizes), [0]
     for size in sizes:
         starts.append(starts[-1] + size)
@@ -228,15 +196,15 @@ def _greedy_walks(plans: list[Planned], logits: torch.Tensor, vocab_start: int) 
     # Padding nodes read any real row of their request: they are never accepted.
     rows, tokens, parents, num_nodes = lists_to_device([
         padded([[s + min(v, size - 1) for v in range(n)] for s, size in zip(starts, sizes)]),
-        padded([p.cand.tokens for p in plans]), padded([p.cand.parents for p in plans]),
+        padded([c.tokens for c in cands]), padded([c.parents for c in cands]),
         sizes], device)
     argmax = vocab_argmax(logits, vocab_start)  # [sum(sizes)]
     w = greedy_walk(tokens.view(-1, n), parents.view(-1, n), num_nodes, argmax[rows.view(-1, n)])
     result = torch.cat([w.num_accepted[:, None], w.bonus[:, None], w.path], 1).tolist()
     walks = []
-    for plan, (count, bonus, *path) in zip(plans, result):
+    for cand, (count, bonus, *path) in zip(cands, result):
         path = path[:count]
-        walks.append((path, [plan.cand.tokens[v] for v in path[1:]] + [bonus]))
+        walks.append((path, [cand.tokens[v] for v in path[1:]] + [bonus]))
     return walks
 
 
@@ -255,20 +223,20 @@ def _processed_rows(seq: Sequence, cand: Candidates, logits: torch.Tensor) -> to
     return rows if seq.params.greedy else probabilities(rows, seq.params)
 
 
-def _node_decisions(seqs: list[Sequence], plans: list[Planned], rows: list[torch.Tensor]
+def _node_decisions(seqs: list[Sequence], cands: list[Candidates], rows: list[torch.Tensor]
                     ) -> list[list[int] | None]:
     """The target's decision at every node of every request but RRS ones (None): argmax, or a
     draw from the node's own distribution with the uniform of the output position it decides
     (plain decoding draws that position with the same uniform). One device read."""
     picks = []
-    for seq, plan, seq_rows in zip(seqs, plans, rows):
-        if plan.draft_probs is not None:
+    for seq, cand, seq_rows in zip(seqs, cands, rows):
+        if cand.draft_probs is not None:
             continue
         if seq.params.greedy:
             picks.append(seq_rows.argmax(dim=-1))
         else:
             base = len(seq.output_ids)  # the root decides output position base
-            picks.append(inverse_cdf(seq_rows, [uniform(seq.seed, base + d) for d in plan.depths]))
+            picks.append(inverse_cdf(seq_rows, [uniform(seq.seed, base + d) for d in cand.depths]))
     flat = iter(torch.cat(picks).tolist() if picks else [])
-    return [None if plan.draft_probs is not None
-            else list(itertools.islice(flat, len(plan.cand.tokens))) for plan in plans]
+    return [None if cand.draft_probs is not None
+            else list(itertools.islice(flat, len(cand.tokens))) for cand in cands]

@@ -3,11 +3,12 @@
 (`observe`).
 
 `FixedPolicy` verifies the full block or tree every step (the reference implementations'
-behaviour). `AdaptivePolicy` speculates where it is measured to be faster: per power-of-two
-bucket of batch sizes it compares committed tokens per second of speculative steps with those
-of plain steps, both timed whole on this machine, and backs off exponentially (with probes)
-where speculation loses. A new bucket starts from its neighbours' verdicts: backed off above a
-bucket where speculation lost, speculating below one where it won (plain steps timed later).
+behaviour). `AdaptivePolicy` speculates where it is measured to be faster: per size class of
+batches (the batch sizes up to one power of two) it compares committed tokens per second of
+speculative steps with those of plain steps, both timed whole on this machine, and backs off
+exponentially (with probes) where speculation loses. A new size class starts from its
+neighbours' verdicts: backed off above one where speculation lost, speculating below one where
+it won (plain steps timed later).
 Measurements behind the constants: docs/speculation.md."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Protocol
 
 from flashtree.distributed import tp_broadcast_object, tp_group_active
 
-_TIMED_STEPS = 16  # recent step times per kind and bucket; their median is the step's time
+_TIMED_STEPS = 16  # recent step times per kind and size class; their median is the step's time
 _MIN_TIMED = 4  # timed steps of each kind before a verdict
 _ACCEPT_WINDOW = 64  # speculative steps the acceptance average spans (acceptance is noisy)
 # Plain steps after a verdict against speculation: long enough that the probe after them costs
@@ -60,14 +61,15 @@ class FixedPolicy:
         pass
 
 
-def batch_bucket(requests: int) -> int:
-    """The power of two at or above `requests`: batch sizes measured and judged together."""
+def size_class_of(requests: int) -> int:
+    """The size class of a batch of `requests`, the power of two at or above it: batch sizes
+    measured and judged together."""
     return 1 << (requests - 1).bit_length()
 
 
 @dataclass
-class _Bucket:
-    """What one bucket of batch sizes has measured, and its back-off."""
+class _SizeClass:
+    """What one size class of batches has measured, and its back-off."""
 
     plain_s: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMED_STEPS))
     spec_s: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMED_STEPS))
@@ -95,65 +97,65 @@ class AdaptivePolicy:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.buckets: dict[int, _Bucket] = {}
+        self.size_classes: dict[int, _SizeClass] = {}
         self._last_speculative: bool | None = None
         # Step times differ between tensor-parallel ranks: rank 0 decides for all of them.
         self._broadcast = tp_group_active()
 
-    def at(self, requests: int) -> _Bucket:
-        key = batch_bucket(requests)
-        if key not in self.buckets:
-            self.buckets[key] = self._new_bucket(key)
-        return self.buckets[key]
+    def at(self, requests: int) -> _SizeClass:
+        key = size_class_of(requests)
+        if key not in self.size_classes:
+            self.size_classes[key] = self._new_size_class(key)
+        return self.size_classes[key]
 
-    def _new_bucket(self, key: int) -> _Bucket:
-        """A bucket not seen before. Speculation gains less as the batch grows, so above a
-        bucket where it lost the new one starts backed off as that one is, and below a bucket
+    def _new_size_class(self, key: int) -> _SizeClass:
+        """A size class not seen before. Speculation gains less as the batch grows, so above a
+        class where it lost the new one starts backed off as that one is, and below a class
         where it won the new one starts speculating, instead of paying a first probe of its own
-        (a batch that drains passes through every bucket below its own)."""
-        below = [k for k in self.buckets if k < key]
+        (a batch that drains passes through every class below its own)."""
+        below = [k for k in self.size_classes if k < key]
         if below:
-            nearest = self.buckets[max(below)]
+            nearest = self.size_classes[max(below)]
             if nearest.backoff:
-                return _Bucket(plain_left=nearest.backoff, backoff=nearest.backoff)
-        above = [k for k in self.buckets if k > key]
-        if above and self.buckets[min(above)].speculation_loses() is False:
-            return _Bucket(plain_left=0)
-        return _Bucket()
+                return _SizeClass(plain_left=nearest.backoff, backoff=nearest.backoff)
+        above = [k for k in self.size_classes if k > key]
+        if above and self.size_classes[min(above)].speculation_loses() is False:
+            return _SizeClass(plain_left=0)
+        return _SizeClass()
 
     def plan(self, requests: int) -> int:
-        bucket = self.at(requests)
-        speculate = bucket.plain_left == 0
+        size_class = self.at(requests)
+        speculate = size_class.plain_left == 0
         if self._broadcast:
             speculate = tp_broadcast_object(speculate, usual=True)
         if not speculate:
-            bucket.plain_left = max(0, bucket.plain_left - 1)
+            size_class.plain_left = max(0, size_class.plain_left - 1)
         return self.budget if speculate else 0
 
     def observe(self, result: StepResult) -> None:
-        bucket = self.at(result.requests)
+        size_class = self.at(result.requests)
         # The first step after a switch runs cold (caches, the drafter's catch-up): untimed.
         if result.speculative == self._last_speculative:
-            times = bucket.spec_s if result.speculative else bucket.plain_s
+            times = size_class.spec_s if result.speculative else size_class.plain_s
             times.append(result.seconds)
         self._last_speculative = result.speculative
         if not result.speculative:
             return
-        bucket.spec_steps += 1
-        rate = 1 / min(bucket.spec_steps, _ACCEPT_WINDOW)
-        bucket.accepted += rate * (result.committed / result.requests - bucket.accepted)
-        bucket.since_plain += 1
-        loses = bucket.speculation_loses()
+        size_class.spec_steps += 1
+        rate = 1 / min(size_class.spec_steps, _ACCEPT_WINDOW)
+        size_class.accepted += rate * (result.committed / result.requests - size_class.accepted)
+        size_class.since_plain += 1
+        loses = size_class.speculation_loses()
         if loses:
-            longer = max(2 * bucket.backoff, math.ceil(bucket.probe_steps() / _PROBE_SHARE))
-            bucket.backoff = min(longer, _MAX_BACKOFF)
-            bucket.plain_left = bucket.backoff
-            bucket.spec_s.clear()  # the probe after the back-off times speculation afresh
-            bucket.since_plain = 0
-        elif bucket.since_plain >= _RETIME_EVERY:
+            longer = max(2 * size_class.backoff, math.ceil(size_class.probe_steps() / _PROBE_SHARE))
+            size_class.backoff = min(longer, _MAX_BACKOFF)
+            size_class.plain_left = size_class.backoff
+            size_class.spec_s.clear()  # the probe after the back-off times speculation afresh
+            size_class.since_plain = 0
+        elif size_class.since_plain >= _RETIME_EVERY:
             if loses is False:
-                bucket.plain_left = 2  # one cold, one timed
-                bucket.backoff = 0  # speculation held its own for a whole stretch
-            else:  # a bucket that started speculating: time plain decoding for a verdict
-                bucket.plain_left = 1 + _MIN_TIMED - len(bucket.plain_s)
-            bucket.since_plain = 0
+                size_class.plain_left = 2  # one cold, one timed
+                size_class.backoff = 0  # speculation held its own for a whole stretch
+            else:  # a class that started speculating: time plain decoding for a verdict
+                size_class.plain_left = 1 + _MIN_TIMED - len(size_class.plain_s)
+            size_class.since_plain = 0

@@ -1,4 +1,5 @@
-"""DFlash drafting over a paged draft KV cache that shares the target's page tables.
+"""DFlash drafting over a paged draft KV cache that shares the target's page tables, through a
+ModelRunner as the target's forwards run (the same batches, backends and graph replays).
 
 The draft cache holds context K/V for exactly the committed tokens of each request (the same
 logical indices as the target cache, so one page table serves both). A draft block writes its
@@ -12,18 +13,16 @@ from itertools import chain
 
 import torch
 
-from flashtree.attention import make_backend
-from flashtree.attention.backend import AttentionMetadata
-from flashtree.graphs.forward import DraftForward, graph_inputs
 from flashtree.graphs.rows import RowGraphs
-from flashtree.graphs.runner import GraphRunner, batch_buckets
-from flashtree.graphs.schema import GraphDims, GraphMode
+from flashtree.graphs.runner import batch_buckets
 from flashtree.kv.cache import KVCache, OutOfPages, PageTables
 from flashtree.layers import fused_kernels_apply
-from flashtree.models.dflash import DFlashDraftModel
+from flashtree.models.dflash import DFlashDrafter, DFlashDraftModel
 from flashtree.models.llama import DecoderModel
+from flashtree.runner.capture import GraphPlan
 from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
-from flashtree.transfer import host_to_device, lists_to_device, to_device
+from flashtree.runner.model_runner import ModelRunner
+from flashtree.transfer import host_to_device, lists_to_device
 
 _GRAPH_CONTEXT_ROWS = 2048  # context rows per injection that replay a captured graph at most
 _MAX_DEFERRED_ROWS = 16384  # rows held for the next draft before injecting them anyway
@@ -74,7 +73,7 @@ class DFlashProposer:
         self, draft: DFlashDraftModel, target: DecoderModel, pages: PageTables,
         dtype: torch.dtype, device: torch.device,
     ) -> None:
-        self.draft, self.target, self.pages = draft, target, pages
+        self.draft, self.pages = draft, pages
         cfg = draft.cfg
         self.block_size = cfg.block_size
         self.mask_token_id = cfg.mask_token_id
@@ -86,13 +85,11 @@ class DFlashProposer:
             attn.head_dim, dtype, device,
         )
         self.device = device
-        # One backend per distinct mask kind (full layers: bidirectional in the block;
-        # sliding layers: causal and windowed), shared by the layers of that kind.
-        kinds = sorted(set(zip(cfg.layer_causal, cfg.layer_windows)), key=str)
-        self._backends = {kind: make_backend(self.cache) for kind in kinds}
-        self._layer_backends = [
-            self._backends[kind] for kind in zip(cfg.layer_causal, cfg.layer_windows)
-        ]
+        # The drafter runs as the target does, through a ModelRunner over its own cache: one
+        # backend per mask kind of its layers (full layers: bidirectional in the block;
+        # sliding layers: causal and windowed).
+        drafter = DFlashDrafter(draft, target.embed_tokens, target.lm_head)
+        self.runner = ModelRunner(drafter, self.cache, pages, layer_kinds=drafter.layer_kinds)
         # Context rows of eager plain steps (graph-replayed ones write their own), injected
         # together before the next draft (the drafter reads nothing in between): the first
         # token of a prompt does not wait for its rows, and while the adaptive policy decodes
@@ -101,23 +98,23 @@ class DFlashProposer:
         self._deferred_rows = 0
         self._ended_leases = pages.watch_ended_leases()  # since the last flush
         self._ahead: Ahead | None = None  # the next step's blocks, drafted early
-        self.graphs: GraphRunner | None = None
         self._context_writer: RowGraphs | None = None
         # The layers' K/V projections as one matrix, for the fused context write (CUDA).
         self._context_projection = draft.context_projection() if device.type == "cuda" else None
 
-    def capture_graphs(self, dims: GraphDims, buckets: list[int], block_size: int,
-                       max_rows: int) -> None:
-        """Capture the draft block of `block_size` tokens per request (shorter blocks replay
-        padded) at every batch bucket of at most `max_rows` token rows."""
-        forward = DraftForward(self.draft, self.target, self._backends)
-        self.graphs = GraphRunner(forward, dims, self.device, buckets)
-        self.graphs.capture(GraphMode.DRAFT, block_size, max_rows)
+    def capture_graphs(self, plan: GraphPlan) -> None:
+        """Capture the draft block of `plan.draft` (shorter blocks replay padded) at every
+        batch bucket of at most its most token rows, and the context writes."""
+        assert plan.draft is not None, "a plan without the draft block"
+        dims, max_rows = plan.dims, plan.draft[2]
+        self.runner.capture_graphs(dims, plan.buckets, [plan.draft])
+        graphs = self.runner.graphs
+        assert graphs is not None
         # Injections of up to _GRAPH_CONTEXT_ROWS context rows (a step's accepted tokens;
         # longer prompt chunks run eagerly) replay graphs too, captured here for every row
         # bucket; padding rows write to the scratch slot.
         writer = RowGraphs(self.write_context, batch_buckets(min(max_rows, _GRAPH_CONTEXT_ROWS)),
-                           self.device, self.graphs.use_cuda_graphs,
+                           self.device, graphs.use_cuda_graphs,
                            pads=(None, 0, dims.scratch_slot))
         width = self.draft.fc.weight.shape[1]  # the concatenated target-layer features
         with torch.inference_mode():
@@ -211,7 +208,6 @@ class DFlashProposer:
             self.cache.write(layer, slots, k, v)
         return ()
 
-    @torch.inference_mode()
     def draft_logits(self, blocks: list[tuple[int, int, int, int]], gather: bool = True
                      ) -> torch.Tensor:
         """For each (seq_id, committed_len n, bonus token, block size b >= 2) run
@@ -225,17 +221,7 @@ class DFlashProposer:
             BatchItem(seq_id, n, [bonus] + [self.mask_token_id] * (b - 1), all_logits=True)
             for seq_id, n, bonus, b in blocks
         ]
-        # Every row is scored; slot 0 (the bonus) of each block is dropped after.
-        keep, start = [], 0
-        for it in items:
-            keep += range(start + 1, start + len(it.tokens))
-            start += len(it.tokens)
-
-        def build(causal: bool = True, window: int | None = None) -> ForwardBatch:
-            return ForwardBatch.build(Mode.DRAFT, items, self.pages, self.device, causal=causal,
-                                      sliding_window=window)
-        return self._run_draft(build, len(items), max(b for *_, b in blocks),
-                               to_device(keep, self.device), gather)
+        return self.runner.forward(Mode.DRAFT, items, gather)[0]
 
     def drafted_ahead(self, blocks: list[tuple[int, int, int, int]], gather: bool
                       ) -> torch.Tensor | None:
@@ -246,25 +232,6 @@ class DFlashProposer:
             return ahead.logits
         return None
 
-    def _run_draft(self, build, requests: int, block: int, keep_rows: torch.Tensor,
-                   gather: bool) -> torch.Tensor:
-        """The drafter over the batch `build(causal, window)` makes (a captured graph where one
-        holds it), logits of the rows `keep_rows`."""
-        graphs = self.graphs
-        key = None if graphs is None else graphs.bucket(GraphMode.DRAFT, requests, block)
-        if graphs is not None and key is not None:
-            # The graph gathers the whole vocab; its outputs are static buffers (copied here).
-            logits = graphs.replay(key, requests, graph_inputs(build()))[keep_rows]
-            return logits if gather else self.target.lm_head.vocab_slice(logits)
-        batch = None
-        for (causal, window), backend in self._backends.items():
-            batch = build(causal, window)
-            backend.begin_forward(batch.attn)
-        assert batch is not None
-        embeds = self.target.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
-        hidden = self.draft(embeds, batch.positions, self._layer_backends)
-        return self.draft.logits(hidden[keep_rows], self.target.lm_head, gather)
-
     @torch.inference_mode()
     def draft_ahead(self, seq_ids: list[int], starts: list[int], advance: torch.Tensor,
                     bonus: torch.Tensor, most: int, gather: bool = False) -> Ahead | None:
@@ -274,32 +241,17 @@ class DFlashProposer:
         `draft_logits` hands the logits out if it is asked for exactly these blocks (set
         `Ahead.blocks` once the step's result is read). None where the pages cannot be
         reserved."""
-        b, page = self.block_size, self.pages.page_size
+        b = self.block_size
         try:
             for seq_id, start in zip(seq_ids, starts):
                 self.pages.reserve(seq_id, start + most + b)
         except OutOfPages:
             return None
         r = len(seq_ids)
-        tables = [self.pages.table(seq_id) for seq_id in seq_ids]
-        width = max(len(t) for t in tables)
-        page_tables, starts_t = lists_to_device(
-            [[p for t in tables for p in t + [0] * (width - len(t))], starts], self.device)
-        page_tables = page_tables.view(r, width)
-        first = starts_t + advance  # [R] the blocks' first positions
-        positions = first[:, None] + torch.arange(b, device=self.device)  # [R, b]
-        slots = page_tables.gather(1, positions // page) * page + positions % page
         mask = torch.full((r, b - 1), self.mask_token_id, dtype=torch.long, device=self.device)
-        input_ids = torch.cat([bonus[:, None], mask], 1).flatten()
-        query_start = torch.arange(0, (r + 1) * b, b, device=self.device)
-        rows = torch.arange(r * b, device=self.device)
-
-        def build(causal: bool = True, window: int | None = None) -> ForwardBatch:
-            attn = AttentionMetadata(query_start, first + b, slots.flatten(), page_tables,
-                                     max_query_len=b, max_kv_len=max(starts) + most + b,
-                                     causal=causal, sliding_window=window)
-            return ForwardBatch(Mode.DRAFT, input_ids, positions.flatten(), attn, rows)
-        keep_rows = rows.view(r, b)[:, 1:].flatten()
-        logits = self._run_draft(build, r, b, keep_rows, gather)
-        self._ahead = Ahead(logits, gather, first)
+        batch = ForwardBatch.device_blocks(Mode.DRAFT, seq_ids, starts, advance,
+                                           torch.cat([bonus[:, None], mask], 1),
+                                           max(starts) + most + b, self.pages)
+        logits, _ = self.runner.run(batch, gather)
+        self._ahead = Ahead(logits, gather, batch.positions.view(r, b)[:, 0])
         return self._ahead

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashtree.config import ModelConfig
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.llm import LLM
+from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from flashtree.models.llama import DecoderModel
 from flashtree.runner.forward_batch import BatchItem, Mode

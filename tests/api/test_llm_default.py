@@ -23,7 +23,7 @@ def test_chat_applies_template_and_stops_on_eos(llm):
                    SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
-    assert out.token_ids[-1] in llm.engine.eos_token_ids
+    assert out.token_ids[-1] in llm.engine.outputs.eos_token_ids
     assert "<|im_end|>" not in out.text
 
 

@@ -6,7 +6,7 @@ bidirectional drafter blocks, compared with the SDPA reference backend."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,8 +70,9 @@ def make_case(
         # In a tree batch one request is a chain (no mask), as in a mixed verify batch.
         visible = random_tree(rng, q) if kind == "tree" and i != 1 else None
         items.append(BatchItem(i, c, [0] * q, visible=visible))
-    batch = ForwardBatch.build(Mode.VERIFY, items, pages, torch.device(device), causal=causal,
-                               sliding_window=window)
+    batch = ForwardBatch.build(Mode.VERIFY, items, pages, torch.device(device))
+    # The kind's mask flags, as a drafter's LayerKindsBackend gives its layers.
+    batch.attn = replace(batch.attn, causal=causal, sliding_window=window)
     cache = KVCache(1, num_pages, page_size, kv_heads, head_dim, dtype, torch.device(device))
     cache.k.normal_()
     cache.v.normal_()

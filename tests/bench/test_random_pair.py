@@ -90,7 +90,7 @@ def test_speculative_outputs_equal_plain_and_follow_the_permutation(pair):
         # and step), and the steps' commits account for every token after the prefill's.
         lengths = [o.outputs[0].spec_accept_lengths for o in outs]
         assert [sum(n) for n in lengths] == [len(out) - 1 for out in plain], (spec, lengths)
-        stats = llm.engine.speculative.stats
+        stats = llm.engine.spec_stats
         assert stats.num_drafts == sum(map(len, lengths)), (spec, stats, lengths)
 
 

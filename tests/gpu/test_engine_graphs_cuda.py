@@ -42,7 +42,7 @@ def test_graph_engine_equals_eager_engine(small_pair, spec, policy, temperature)
     longest = max(map(len, PROMPTS))
     assert runner.graphs.bucket(GraphMode.PREFILL, len(PROMPTS), longest) is not None
     if spec != "none":
-        assert graphed.engine.proposer.graphs is not None
+        assert graphed.engine.proposer.runner.graphs is not None
     assert _tokens(graphed, params) == _tokens(LLM(**kw, enforce_eager=True), params)
     assert graphed.engine.pages.num_free == graphed.engine.pages.num_pages
 
@@ -55,7 +55,7 @@ def test_admissions_mix_with_decode_tokens_where_a_prompt_graph_holds_them(small
     target, drafter = map(str, small_pair)
     kw = dict(model=target, draft=drafter, spec="ddtree", device="cuda", dtype="float32",
               skip_tokenizer_init=True, page_size=4, max_num_seqs=16)
-    mixes = LLM(**kw).engine._mixes_in_graphs
+    mixes = LLM(**kw).engine.scheduler.mixes  # runner/capture.py mixes_in_graphs
     assert mixes(1, 15, 60)  # 16 x 64 rows: captured
     assert not mixes(1, 15, 200)  # 16 x 256 rows: not captured, where 1 x 256 is
     assert mixes(1, 15, 300)  # no prompt graph holds 300 tokens: eager either way

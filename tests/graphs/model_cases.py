@@ -9,13 +9,14 @@ from pathlib import Path
 import torch
 
 from flashtree import LLM, SamplingParams
+from flashtree.attention.kinds import LayerKindsBackend
 from flashtree.attention.triton import TritonBackend
 from flashtree.engine.llm_engine import LLMEngine
-from flashtree.graphs.forward import DraftForward, TargetForward, graph_inputs, graph_mode
 from flashtree.graphs.runner import GraphRunner
 from flashtree.graphs.schema import GraphDims, GraphMode
 from flashtree.kv.cache import KVCache
 from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
+from flashtree.runner.graph_forward import GraphForward, graph_inputs, graph_mode
 from flashtree.speculative.tree import ancestor_mask
 from tests.tiny import save_reference_drafter, save_tiny_qwen3
 
@@ -100,7 +101,7 @@ def check_target(engine: LLMEngine, mode: str, rng: random.Random) -> None:
     expected, expected_features = runner_.forward(EAGER_MODES[mode], items)
     batch = ForwardBatch.build(EAGER_MODES[mode], items, engine.pages, device)
     assert graph_mode(batch) == GraphMode(mode)
-    forward = TargetForward(runner_.model, TritonBackend(graph_cache), runner_.capture_layers)
+    forward = GraphForward(runner_.model, TritonBackend(graph_cache), runner_.capture_layers)
     runner = GraphRunner(forward, _dims(engine), device, BUCKETS, poison=True)
     runner.capture(GraphMode(mode), TOKENS[mode])
     logits, features = runner.run(GraphMode(mode), len(items), batch.attn.max_query_len,
@@ -122,13 +123,15 @@ def check_draft(engine: LLMEngine) -> None:
     items = [BatchItem(seq_id, n, [bonus] + [proposer.mask_token_id] * (b - 1), all_logits=True)
              for seq_id, n, bonus, b in blocks]
     batch = ForwardBatch.build(Mode.DRAFT, items, engine.pages, device)
-    inputs = dict(graph_inputs(batch))
-    # The drafter scores every slot of a block but the bonus.
-    inputs["logit_rows"] = torch.tensor(
-        [i * block + j for i in range(len(blocks)) for j in range(1, block)], device=device)
-    kinds = {kind: TritonBackend(graph_cache) for kind in proposer._backends}
-    forward = DraftForward(proposer.draft, engine.runner.model, kinds)
-    runner = GraphRunner(forward, _dims(engine), device, BUCKETS, poison=True)
+    # A draft block's scored rows are its mask slots, not its bonus.
+    assert batch.logit_rows.tolist() == [i * block + j for i in range(len(blocks))
+                                         for j in range(1, block)]
+    drafter = proposer.runner.model  # the drafter as the runner drives it
+    backend = LayerKindsBackend(graph_cache, drafter.layer_kinds, TritonBackend)
+    assert len(backend.by_kind) == 2, "make_engine's drafter has two mask kinds"
+    runner = GraphRunner(GraphForward(drafter, backend), _dims(engine), device, BUCKETS,
+                         poison=True)
     runner.capture(GraphMode.DRAFT, block)
-    got = runner.run(GraphMode.DRAFT, len(blocks), block, inputs)
+    got, features = runner.run(GraphMode.DRAFT, len(blocks), block, graph_inputs(batch))
+    assert features is None
     _close(got, expected, "draft logits")

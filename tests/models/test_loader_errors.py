@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashtree import LLM
-from flashtree.config import SUPPORTED_ARCHITECTURES
+from flashtree.models.config import SUPPORTED_ARCHITECTURES
 from flashtree.models.loader import load_hf_model
 from tests.helpers import save_checkpoint
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashtree.config import ModelConfig
 from flashtree.layers.rotary import rope_inv_freq
+from flashtree.models.config import ModelConfig
 from flashtree.models.llama import DecoderModel
 from flashtree.models.loader import load_hf_model
 from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashtree.config import MoEConfig
+from flashtree.layers.config import MoEConfig
 from flashtree.layers.moe import Router
 
 HIDDEN, EXPERTS, TOKENS = 16, 16, 256

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.config import ModelConfig
 from flashtree.layers.moe import SparseMoE
 from flashtree.layers.rotary import rope_attention_scaling, rope_inv_freq
+from flashtree.models.config import ModelConfig
 from flashtree.models.llama import DecoderModel
 from flashtree.models.loader import load_hf_model
 from flashtree.runner.forward_batch import BatchItem, Mode

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flashtree.speculative.candidates as candidates
+import flashtree.speculative.candidate_builder as candidate_builder
 from flashtree import LLM, SamplingParams
 from tests.speculative.agreeing_pair import save_agreeing_pair
 from tests.speculative.plain_law import chi_square_p, plain_sampling_law
@@ -95,7 +95,7 @@ def test_harness_rejects_min_p_over_q_on_a_top_k_tree(pair, exact_law, monkeypat
             spine = first
         return tokens, parents
 
-    monkeypatch.setattr(candidates, "sample_spine_tree", top_k_tree)
+    monkeypatch.setattr(candidate_builder, "sample_spine_tree", top_k_tree)
     counts, _ = _sample(_llm(pair, "ddtree", "rrs"), 1.3)
     assert chi_square_p(counts, exact_law(1.3), SAMPLES) < ALPHA
 

@@ -10,8 +10,9 @@ import itertools
 import pytest
 import torch
 
-from flashtree.speculative.acceptance import Candidates, walk, walk_rrs
+from flashtree.speculative.acceptance import walk, walk_rrs
 from flashtree.speculative.tree import ancestor_mask
+from flashtree.speculative.types import Candidates
 
 V = 6
 
@@ -116,7 +117,7 @@ def test_sample_and_match_is_exact_on_fixed_trees(name, seed):
     depths = [0]
     for v in range(1, len(all_tokens)):
         depths.append(depths[all_parents[v]] + 1)
-    cand = Candidates.tree(all_tokens, all_parents, depths, 0,
+    cand = Candidates.tree(all_tokens, all_parents, depths,
                            ancestor_mask(torch.tensor([all_parents]))[0])
 
     def run(draws):

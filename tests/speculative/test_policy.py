@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy, StepResult, batch_bucket
+from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy, StepResult, size_class_of
 
 BUDGET = 15
 
@@ -80,7 +80,7 @@ def test_a_probe_that_now_pays_resumes_speculation():
     assert policy.at(1).backoff == 0  # reset once speculation held a whole stretch
 
 
-def test_batch_buckets_are_judged_separately():
+def test_size_classes_are_judged_separately():
     policy = AdaptivePolicy(BUDGET)
     small, large = [], []
     for _ in range(300):  # interleaved, as a server's batch sizes come and go
@@ -88,7 +88,7 @@ def test_batch_buckets_are_judged_separately():
         large += drive(policy, 1, 60, spec_seconds=1.5, accepted=1.2)
     assert sum(small[-100:]) > 90
     assert sum(large[-100:]) < 10
-    assert batch_bucket(60) == 64 and batch_bucket(2) == 2 and batch_bucket(1) == 1
+    assert size_class_of(60) == 64 and size_class_of(2) == 2 and size_class_of(1) == 1
 
 
 @pytest.mark.parametrize("accepted", [1.4, 1.6])
@@ -118,8 +118,8 @@ def test_a_larger_batch_measures_afresh_where_a_smaller_one_won():
 
 
 def test_a_smaller_batch_starts_speculating_where_a_larger_one_won():
-    """A batch that drains (requests finishing) meets smaller buckets for the first time: they
-    take the larger bucket's win instead of timing plain decoding first, and time it later."""
+    """A batch that drains (requests finishing) meets smaller size classes for the first time:
+    they take the larger class's win instead of timing plain decoding first, and time it later."""
     policy = AdaptivePolicy(BUDGET)
     drive(policy, 300, 64, spec_seconds=1.5, accepted=3.0)  # pays at 64 requests
     smaller = drive(policy, 300, 16, spec_seconds=1.5, accepted=3.0)

@@ -8,8 +8,9 @@ import random
 
 import torch
 
-from flashtree.speculative.acceptance import Candidates, greedy_walk, walk
-from flashtree.speculative.tree_verify import walk_and_keep
+from flashtree.speculative.acceptance import greedy_walk, walk
+from flashtree.speculative.device_verifier import walk_and_keep
+from flashtree.speculative.types import Candidates
 
 
 def _random_candidates(rng: random.Random, n: int, vocab: int) -> Candidates:
@@ -28,7 +29,7 @@ def _random_candidates(rng: random.Random, n: int, vocab: int) -> Candidates:
     depths = [0]
     for v in range(1, len(tokens)):
         depths.append(depths[parents[v]] + 1)
-    return Candidates.tree(tokens, parents, depths, 0, torch.ones(1))
+    return Candidates.tree(tokens, parents, depths, torch.ones(1))
 
 
 def test_greedy_walk_matches_reference_walk():

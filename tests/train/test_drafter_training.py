@@ -117,12 +117,12 @@ def test_plain_steps_between_speculative_ones_keep_the_drafter_in_step(trained):
         llm.engine.policy = EveryOtherStep(llm.engine.policy.budget)
 
     def accepted_per_draft(llm) -> float:
-        stats = llm.engine.speculative.stats
+        stats = llm.engine.spec_stats
         return stats.num_accepted_tokens / stats.num_drafts
 
     mixed, _ = _held_out_run(trained, "drafter", "dflash", "fixed", force_plain_steps)
     fixed, _ = _held_out_run(trained, "drafter", "dflash")
-    stats = mixed.engine.speculative.stats
+    stats = mixed.engine.spec_stats
     assert stats.budgets[0] >= stats.num_drafts // 2  # plain request-steps really ran
     # Out of step, the drafter would accept about nothing (the untrained one's level); in step
     # it accepts 5.4 of 7 drafted tokens (deterministic runs).

@@ -1,0 +1,993 @@
+"""The speculative step and end to end, on a random-weight target of any shape (dense, MoE,
+MLA: `flashtree/bench/shapes.py`) and its 5-layer block-16 DFlash drafter built on the device
+(`flashtree/bench/random_pair.py`), with the acceptance oracle (`flashtree/bench/oracle.py`)
+fixing how often drafts hit the target's greedy tokens while every cost stays real. Greedy;
+tokens/s are decode-phase rates (from a request's `--skip`-th token on).
+
+  steps      copy bandwidth; the AR step at --batches against its floor (weights, experts its
+             tokens touch, KV), graph-replayed and eager; a whole engine step; a gpt-fast-style
+             compiled peer (dense Qwen3, CUDA); on a DFlash engine its decode step, the 16-token
+             chain verify, the draft step and a block's context injection; on a DDTree engine
+             the 64-node verify; every step through the engine's graph runner as serving runs it
+  verify     a tree verify of each of --trees nodes at each of --verify-ctxs over the AR step
+  calibrate  P for paper-DFlash (1 + sum P^i = 6.6 at block 16); Q for paper-DDTree by Monte
+             Carlo over the real drafter's logits (the 256-node tree accepts 9.54)
+  c1         concurrency 1: none, DFlash, DDTree at budgets 15..511 (and topk_cap), the
+             acceptance curve for the plot, equality with plain decoding
+  profile    engine steps of none, DFlash and DDTree (--profile-batch requests) profiled
+  sweep      concurrency 1..256: none, DFlash and DDTree, fixed and adaptive, in rounds
+  generate   plain decoding against transformers `generate` on a checkpoint of the shape
+  pair       the default pair: none, DFlash, DDTree against the reference `dflash` package
+  acceptance tokens per target forward of the default pair's spec modes on held-out prompts
+
+    python -m benchmarks.speculative --sections steps,calibrate,c1,profile
+    python -m benchmarks.speculative --sections sweep --rounds 2
+    python -m benchmarks.speculative --shape qwen3-30b-a3b --sections steps --batches 1,8,32,128
+    python -m benchmarks.speculative --shape deepseek-v3 --layers 2 --first-dense 1 --sections steps
+    python -m benchmarks.speculative --plot benchmarks/results/DATE-speculative.json
+    python -m benchmarks.speculative --shape tiny --device cpu --dtype float32 --out /tmp/s.md
+
+Results merge into `--out` (markdown) and the JSON beside it, section by section."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import random
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from flashtree import LLM, SamplingParams
+from flashtree.bench.floors import copy_bandwidth, floor_ms, step_floor_bytes, weight_bytes
+from flashtree.bench.oracle import AcceptanceOracle, expected_tree_acceptance
+from flashtree.bench.peer import CompiledPeer
+from flashtree.bench.profile import profile_calls, profile_lines
+from flashtree.bench.random_pair import random_drafter, random_target, save_target, top2_gaps
+from flashtree.bench.results import command, mean_interval, write_results
+from flashtree.bench.shapes import DRAFTERS, SHAPES, with_layers
+from flashtree.bench.timing import (
+    Scratch,
+    captures_graphs,
+    engine_step_ms,
+    median_ms,
+    step_ms,
+    sync,
+    wall_s,
+)
+from flashtree.config import DEFAULT_TOPK_CAP
+from flashtree.models.registry import DEFAULT_DRAFTER_DIR, resolve_model_path
+from flashtree.runner.forward_batch import BatchItem, Mode
+from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy
+
+SECTIONS = ("steps", "verify", "calibrate", "c1", "profile", "sweep", "generate", "pair",
+            "acceptance")
+BLOCK = 16
+PAPER_DFLASH_TAU = 6.6  # DFlash paper, Qwen3-8B, GSM8K
+PAPER_DDTREE_TAU = 9.54  # DDTree paper, Qwen3-8B on GSM8K: 6.57 -> 9.54
+CALIBRATION_BUDGET = 255  # the DDTree paper's best budgets on Qwen3-8B were 256-512 nodes
+CURVE_TAUS = (2, 3, 4, 5, 6.6, 8, 10, 12)  # chain acceptances of the plot's oracle settings
+# (acceptance, speedup over autoregressive, source) published for Qwen3-8B.
+PAPER_POINTS = {
+    "dflash": [(6.6, 4.8, "DFlash paper, GSM8K"), (7.8, 5.6, "DFlash paper, MATH-500")],
+    "ddtree": [(9.54, 6.75, "DDTree paper, GSM8K"), (10.7, 7.5, "DDTree paper, MATH-500")],
+}
+SGLANG_POINTS = [(6.35, 846, "SGLang DFlash, B200, c=1"),
+                 (6.35, 1162, "SGLang DFlash + overlap, B200, c=1")]
+GOAL_KEYS = ("ar_step_over_floor", "ar_speed_over_compiled_peer", "draft_over_ar_step",
+             "verify16_over_ar_step", "verify64_over_ar_step", "dflash_over_none_c1",
+             "ddtree_over_none_c1", "ddtree_over_dflash_c1", "gpu_busy_spec_step",
+             "device_reads_per_spec_step", "min_spec_over_none", "min_adaptive_over_best_fixed",
+             "speedup_vs_reference_dflash", "ddtree_over_dflash_e2e")
+
+
+def chain_rate(tau: float, block: int = BLOCK) -> float:
+    """P with 1 + sum_{i=1}^{block-1} P^i = tau (bisection; tau in [1, block])."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**i for i in range(block)) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def empty_cache(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, res: dict, save) -> None:
+        self.args, self.res, self.save = args, res, save
+        self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
+        self.shape = with_layers(SHAPES[args.shape], args.layers, args.first_dense)
+        self.ctx = args.ctx
+        self._pair: tuple | None = None
+        self._llm: LLM | None = None
+        gen, vocab = random.Random(0), self.shape["vocab_size"]
+        count = max(args.prompts, 256, args.profile_batch)
+        self.prompts = [[gen.randrange(vocab - 1) for _ in range(self.ctx)] for _ in range(count)]
+        self.references: dict[tuple[int, ...], list[int]] = {}
+
+    # --- engines ---------------------------------------------------------------------------
+    def pair_modules(self) -> tuple:
+        """(target, its config, drafter) with random weights, built on the device once."""
+        if self._pair is None:
+            t = time.time()
+            target, cfg = random_target(self.shape, self.dtype, self.device)
+            drafter = random_drafter(cfg, DRAFTERS[self.args.shape], self.dtype, self.device,
+                                     layers=self.args.draft_layers, block_size=BLOCK)
+            self._pair = target, cfg, drafter
+            self.res.setdefault("build_s", time.time() - t)
+        return self._pair
+
+    def llm(self, spec: str, budget: int | None = None, max_num_seqs: int = 1,
+            topk_cap: int | None = None, policy: str = "fixed", eager: bool = False) -> LLM:
+        """A fresh engine over the shared weights (the previous one released first)."""
+        self.release()
+        a = self.args
+        kw = dict(spec=spec) if spec == "none" else dict(spec=spec, spec_policy=policy)
+        if spec == "ddtree":
+            kw.update(tree_budget=budget, topk_cap=topk_cap)
+        # Room for the longest run (or verify) plus the largest tree.
+        longest = self.ctx + a.skip + max(a.tokens, a.sweep_tokens) + 64 + max(
+            *a.budgets, CALIBRATION_BUDGET)
+        if {"steps", "verify"} & set(a.sections.split(",")):
+            longest = max(longest, max(a.verify_ctxs) + max(a.trees) + 64)
+        self._llm = LLM.from_modules(*self.pair_modules(), max_num_seqs=max_num_seqs,
+                                     max_model_len=longest, max_num_batched_tokens=8192,
+                                     enforce_eager=a.enforce_eager or eager, **kw)
+        return self._llm
+
+    def release(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+            empty_cache(self.device)
+
+    def oracle(self, llm: LLM, p: float, q: float = 0.0) -> AcceptanceOracle:
+        return AcceptanceOracle(llm, self.references, p, q, seed=self.args.seed)
+
+    def decode(self, llm: LLM, prompts: list[list[int]], tokens: int | None = None) -> dict:
+        """All `prompts` at once, greedy: decode-phase tokens/s (from every request's
+        `--skip`-th token on), mean tokens per speculative step, and whether every output
+        equals the plain reference (where one is known)."""
+        eng, skip = llm.engine, self.args.skip
+        params = SamplingParams(temperature=0, max_tokens=skip + (tokens or self.args.tokens),
+                                ignore_eos=True)
+        seqs = [eng.add_request(p, params) for p in prompts]
+        while any(len(s.output_ids) < skip and not s.is_finished for s in seqs):
+            eng.step()
+        sync(self.device)
+        start, before = time.perf_counter(), sum(len(s.output_ids) for s in seqs)
+        steps = [len(s.spec_accept_lengths) for s in seqs]
+        budgets = dict(eng.spec_stats.budgets) if eng.spec_stats else {}
+        while any(not s.is_finished for s in seqs):
+            eng.step()
+        sync(self.device)
+        seconds = time.perf_counter() - start
+        accepted = [n for s, k in zip(seqs, steps) for n in s.spec_accept_lengths[k:]]
+        known = [tuple(p) in self.references for p in prompts]
+        equal = [self.references.get(tuple(p), [])[: len(p) + len(s.output_ids)]
+                 == list(p) + list(s.output_ids) for p, s in zip(prompts, seqs)]
+        tokens = sum(len(s.output_ids) for s in seqs) - before
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "speculative_share": speculative_share(eng, budgets),
+                "policy": policy_view(eng.policy),
+                "tau": sum(accepted) / len(accepted) if accepted else 1.0,
+                "equal_to_plain": sum(equal) / len(equal) if all(known) else None,
+                "requests": len(prompts)}
+
+    def c1_rate(self, llm: LLM, prompts: list[list[int]]) -> dict:
+        """Concurrency 1: the prompts one after another (tokens/s over all of them)."""
+        runs = [self.decode(llm, [p]) for p in prompts]
+        eq = [r["equal_to_plain"] for r in runs]
+        return {"tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
+                "tau": sum(r["tau"] for r in runs) / len(runs),
+                "speculative_share": sum(r["speculative_share"] for r in runs) / len(runs),
+                "equal_to_plain": None if None in eq else sum(eq) / len(eq)}
+
+    def plain_references(self, prompts: list[list[int]]) -> None:
+        """Greedy plain outputs of `prompts` (a `none` engine, all at once), kept."""
+        todo = [p for p in prompts if tuple(p) not in self.references]
+        if not todo:
+            return
+        llm = self.llm("none", max_num_seqs=len(todo))
+        longest = self.args.skip + max(self.args.tokens, self.args.sweep_tokens)
+        params = SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True)
+        for p, out in zip(todo, llm.generate(todo, params)):
+            self.references[tuple(p)] = list(p) + list(out.outputs[0].token_ids)
+
+    def rates(self) -> tuple[float, float]:
+        cal = self.res.get("calibrate") or self.calibrate()
+        self.res["calibrate"] = cal
+        return cal["p"], cal["q"]
+
+    def ar_by_ctx(self, llm: LLM | None = None) -> dict[str, float]:
+        """AR step ms at batch 1 for each verify context on `llm` (a plain engine): the steps
+        section's when it has them, else measured now."""
+        known = self.res.get("steps", {}).get("ar_b1_ms_by_ctx", {})
+        if llm is None and all(str(c) in known for c in self.args.verify_ctxs):
+            return known
+        llm = llm or self.llm("none")
+        out = {}
+        for c in self.args.verify_ctxs:
+            with Scratch(llm) as s:
+                out[str(c)] = step_ms(llm, s.decode(1, c), self.args.reps)
+        return out
+
+    # --- sections --------------------------------------------------------------------------
+    def steps(self) -> dict:
+        a, ctx, reps, dev = self.args, self.ctx, self.args.reps, self.device
+        bw = copy_bandwidth(dev, a.copy_mib, reps)
+        r: dict = {"ctx": ctx, "bytes_per_s": bw, "ar": {str(b): {} for b in a.batches}}
+        llm = self.llm("none", max_num_seqs=max(a.batches))
+        r["graphs"] = captures_graphs(llm)
+        for b in a.batches:
+            with Scratch(llm) as s:
+                run = s.decode(b, ctx)
+                r["ar"][str(b)].update(ms=step_ms(llm, run, reps), floor_ms=floor_ms(
+                    step_floor_bytes(llm, run, b * ctx), bw))
+        total, read = weight_bytes(llm.model)
+        r.update(weight_bytes=total, weight_bytes_read=read,
+                 kv_bytes_per_token=llm.engine.cache.bytes_per_token,
+                 ar_b1_ms_by_ctx=self.ar_by_ctx(llm))
+        with Scratch(llm) as s:  # decisiveness: every position's top-2 gap
+            item = BatchItem(s.take(1, 0, ctx)[0], 0, self.prompts[0], all_logits=True)
+            logits, _ = llm.engine.runner.forward(Mode.PREFILL, [item])
+            r["min_top2_gap"], r["max_logit"] = (top2_gaps(logits).min().item(),
+                                                 logits.max().item())
+            del logits
+        r["engine_step_ms"] = engine_step_ms(llm, 1, ctx, reps)[0]
+        llm = self.llm("none", max_num_seqs=max(a.batches), eager=True)
+        for b in a.batches:
+            with Scratch(llm) as s:
+                r["ar"][str(b)]["eager_ms"] = median_ms(s.decode(b, ctx), dev, reps)
+        r.update(self.peer(ctx, reps))
+        llm = self.llm("dflash", max_num_seqs=2)
+        with Scratch(llm) as s:
+            r["decode_with_context_ms"] = step_ms(llm, s.decode(1, ctx), reps)
+        with Scratch(llm) as s:
+            r["verify16_ms"] = step_ms(llm, s.verify(BLOCK, ctx, tree=False), reps)
+        with Scratch(llm) as s:
+            draft, inject = s.draft(ctx)
+            r["draft_ms"] = step_ms(llm, draft, reps, drafter=True)
+            r["inject_ms"] = median_ms(inject, dev, reps)
+        llm = self.llm("ddtree", budget=63)
+        with Scratch(llm) as s:
+            r["verify64_ms"] = step_ms(llm, s.verify(64, ctx, tree=True), reps)
+        self.release()
+        return r
+
+    def peer(self, ctx: int, reps: int) -> dict:
+        """The compiled peer's decode step (dense Qwen3 on CUDA only: torch.compile's CUDA
+        graphs are what it is about)."""
+        self.release()
+        target, cfg, _ = self.pair_modules()
+        if cfg.architecture != "Qwen3ForCausalLM" or self.device.type != "cuda":
+            return {"peer": f"not run ({cfg.architecture} on {self.device.type})"}
+        peer = CompiledPeer(target, cfg, 1, ctx, ctx + 64)
+        compile_s, _ = wall_s(peer.decode, self.device)
+        out = {"peer_compile_s": compile_s,
+               "peer_ms": median_ms(peer.decode, self.device, reps, warmup=5)}
+        del peer
+        empty_cache(self.device)
+        return out
+
+    def verify(self) -> dict:
+        a, ar = self.args, self.ar_by_ctx()
+        r: dict = {"ar_step_ms": ar, "ms": {}, "over_ar_step": {}}
+        for n in a.trees:
+            llm = self.llm("ddtree", budget=max(1, n - 1))  # a 1-node tree pads to 2
+            for c in a.verify_ctxs:
+                with Scratch(llm) as s:
+                    ms = step_ms(llm, s.verify(n, c, tree=True), a.reps)
+                r["ms"].setdefault(str(c), {})[str(n)] = ms
+                r["over_ar_step"].setdefault(str(c), {})[str(n)] = ms / ar[str(c)]
+            print(f"verify {n} nodes: {[r['ms'][str(c)][str(n)] for c in a.verify_ctxs]}",
+                  flush=True)
+        self.release()
+        return r
+
+    def calibrate(self) -> dict:
+        p = chain_rate(PAPER_DFLASH_TAU)
+        llm = self.llm("dflash")
+        with Scratch(llm) as s:  # the real drafter's logits for one block at context ctx
+            logits = s.draft(self.ctx)[0]().float().clone()
+        self.release()
+        gen = torch.Generator(self.device).manual_seed(self.args.seed)
+        qs = [i / 20 for i in range(21)]
+        grid = {b: [expected_tree_acceptance(logits, p, q, b, self.args.trials, gen,
+                                             DEFAULT_TOPK_CAP) for q in qs]
+                for b in sorted({*self.args.budgets, CALIBRATION_BUDGET})}
+        q = _interpolate(qs, grid[CALIBRATION_BUDGET], PAPER_DDTREE_TAU)
+        return {"p": p, "q": q, "qs": qs, "mc_tau": {str(b): v for b, v in grid.items()},
+                "calibration_budget": CALIBRATION_BUDGET, "trials": self.args.trials,
+                "drafter_top1_mass": logits.softmax(-1).max(-1).values.mean().item()}
+
+    def c1(self) -> dict:
+        p, q = self.rates()
+        prompts = self.prompts[: self.args.prompts]
+        self.plain_references(prompts)
+        r: dict = {"p": p, "q": q, "prompts": len(prompts)}
+        r["none"] = self.c1_rate(self.llm("none"), prompts)
+        llm = self.llm("dflash")
+        oracle = self.oracle(llm, p)
+        r["dflash"] = self.c1_rate(llm, prompts)
+        llm.engine.policy = AdaptivePolicy(BLOCK - 1)
+        r["dflash_adaptive"] = self.c1_rate(llm, prompts)
+        llm.engine.policy = FixedPolicy(BLOCK - 1)
+        r["curve_dflash"] = self.curve(llm, oracle, 0.0)
+        r["ddtree_budgets"] = {}
+        for b in self.args.budgets:
+            llm = self.llm("ddtree", budget=b)
+            self.oracle(llm, p, q)
+            r["ddtree_budgets"][str(b)] = self.c1_rate(llm, prompts)
+            print(f"c1 ddtree {b}: {r['ddtree_budgets'][str(b)]}", flush=True)
+        best = max(self.args.budgets, key=lambda b: r["ddtree_budgets"][str(b)]["tokens_per_s"])
+        r["best_budget"] = best
+        cap = self.args.topk_cap or best
+        llm = self.llm("ddtree", budget=best, topk_cap=cap)
+        self.oracle(llm, p, q)
+        r["ddtree_topk_cap"] = {"topk_cap": cap, **self.c1_rate(llm, prompts)}
+        llm = self.llm("ddtree", budget=best)
+        oracle = self.oracle(llm, p, q)
+        r["curve_ddtree"] = self.curve(llm, oracle, q)
+        llm.engine.policy = AdaptivePolicy(best)
+        r["ddtree_adaptive"] = self.c1_rate(llm, prompts)
+        self.release()
+        return r
+
+    def curve(self, llm: LLM, oracle: AcceptanceOracle, q: float) -> list[dict]:
+        """Tokens/s at concurrency 1 for the oracle settings of CURVE_TAUS (same q)."""
+        points, rates = [], (oracle.p, oracle.q)
+        for tau in CURVE_TAUS:
+            oracle.p, oracle.q = chain_rate(tau), q
+            points.append({"p": oracle.p, **self.c1_rate(llm, self.prompts[:2])})
+        oracle.p, oracle.q = rates
+        return points
+
+    def profile(self) -> dict:
+        a = self.args
+        p, q = self.rates()
+        best = self.res.get("c1", {}).get("best_budget", CALIBRATION_BUDGET)
+        prompts = self.prompts[: a.profile_batch]
+        sampled = int(a.sampled_fraction * len(prompts))
+        self.plain_references(prompts[sampled:])
+        out = {}
+        for name, kw in (("none", {}), ("dflash", {}), ("ddtree", {"budget": best})):
+            llm = self.llm(name, max_num_seqs=len(prompts), **kw)
+            if name != "none":
+                self.oracle(llm, p, q if name == "ddtree" else 0.0)
+            eng = llm.engine
+            seqs = [eng.add_request(pr, SamplingParams(
+                temperature=1.0 if i < sampled else 0.0, seed=i, ignore_eos=True,
+                max_tokens=a.skip + a.tokens)) for i, pr in enumerate(prompts)]
+            while any(len(s.output_ids) < a.skip and not s.is_finished for s in seqs):
+                eng.step()
+            before = sum(len(s.output_ids) for s in seqs)
+            prof = profile_calls(eng.step, self.device, a.profile_steps,
+                                 done=lambda seqs=seqs: any(s.is_finished for s in seqs))
+            prof["tokens_per_step"] = ((sum(len(s.output_ids) for s in seqs) - before)
+                                       / max(prof["calls_made"], 1) / len(seqs))
+            for s in seqs:
+                eng.abort(s)
+            out[name] = prof
+        self.release()
+        return {"batch": len(prompts), "sampled": sampled, **out}
+
+    def sweep(self) -> dict:
+        a = self.args
+        p, q = self.rates()
+        best = a.sweep_budget or min(
+            self.res.get("c1", {}).get("best_budget", CALIBRATION_BUDGET), 63)
+        levels = [int(c) for c in a.levels.split(",")]
+        self.plain_references(self.prompts[: max(levels)])
+        r: dict = {"p": p, "q": q, "ddtree_budget": best, "levels": levels,
+                   "tokens": a.sweep_tokens, "rounds": a.rounds, "rows": {}}
+        self.res["sweep"] = r  # saved after every row: a run cut short keeps what it measured
+        for spec, budget, rate_q in (("none", None, None), ("dflash", BLOCK - 1, 0.0),
+                                     ("ddtree", best, q)):
+            if spec not in a.sweep_methods.split(","):
+                continue
+            llm = self.llm(spec, budget=budget, max_num_seqs=max(levels))
+            policies = {"none": None} if spec == "none" else {
+                f"{spec}:fixed": FixedPolicy(budget), f"{spec}": AdaptivePolicy(budget)}
+            if spec != "none":
+                self.oracle(llm, p, rate_q)
+            for name, policy in policies.items():
+                if policy is not None:
+                    llm.engine.policy = policy
+                rows = r["rows"][name] = []
+                for c in levels:
+                    runs = [self.decode(llm, self.prompts[:c], a.sweep_tokens)
+                            for _ in range(a.rounds)]
+                    rows.append({"concurrency": c, "runs": runs})
+                    self.save()
+                    print(f"sweep {name} c={c}: "
+                          f"{[round(x['tokens_per_s']) for x in runs]} tok/s", flush=True)
+            del llm  # before the next engine sizes its KV pool from the free memory
+            self.release()
+        return r
+
+    def generate(self) -> dict:
+        """flashtree plain against transformers `generate` on a checkpoint of the shape, batch
+        1, greedy, a random prompt, exactly --gen-tokens new tokens each."""
+        a = self.args
+        self.release()
+        work = Path(a.work) / f"{a.shape}-{self.shape['num_hidden_layers']}"
+        target = save_target(work, self.shape, "cuda" if torch.cuda.is_available() else "cpu")
+        prompt = torch.randint(0, self.shape["vocab_size"] - 1, (a.gen_prompt,),
+                               generator=torch.Generator().manual_seed(3)).tolist()
+        llm = LLM(model=str(target), device=a.device, dtype=a.dtype, skip_tokenizer_init=True,
+                  max_num_seqs=1, max_model_len=a.gen_prompt + a.gen_tokens + 64,
+                  enforce_eager=a.enforce_eager)
+        r: dict = {"prompt_tokens": a.gen_prompt, "new_tokens": a.gen_tokens,
+                   "flashtree": e2e_numbers(partial(flashtree_s, llm, prompt), a.gen_tokens)}
+        llm.shutdown()
+        empty_cache(self.device)
+        model = load_hf(target, self.dtype, self.device)
+        r["transformers"] = e2e_numbers(partial(hf_generate_s, model, prompt), a.gen_tokens)
+        model = None
+        empty_cache(self.device)
+        return r
+
+    def pair(self) -> dict:
+        a = self.args
+        self.release()
+        target = resolve_model_path(a.default_model)
+        prompts, source = pair_prompts(target, a.pair_prompts)
+        r: dict = {"target": str(target), "drafter": a.default_draft, "prompts": source,
+                   "num_prompts": len(prompts), "tokens": a.pair_tokens}
+        for spec in ("none", "dflash", "ddtree"):
+            # The methods as configured (the full block, the full tree every step).
+            kw = {} if spec == "none" else dict(draft=a.default_draft, spec_policy="fixed")
+            llm = LLM(model=str(target), device=a.device, dtype=a.dtype, spec=spec,
+                      skip_tokenizer_init=True, max_num_seqs=1,
+                      max_model_len=max(map(len, prompts)) + a.pair_tokens + 64,
+                      enforce_eager=a.enforce_eager, **kw)
+            try:
+                r[spec] = e2e_flashtree(llm, prompts, a.pair_tokens)
+            finally:
+                llm.shutdown()
+                del llm
+                empty_cache(self.device)
+            print(f"pair {spec}: {r[spec]['tokens_per_s']:.1f} tok/s", flush=True)
+        r.update(reference_dflash(target, Path(a.default_draft), prompts, a.pair_tokens,
+                                  self.dtype, self.device))
+        empty_cache(self.device)
+        for key, spec, ref in (("dflash_equal_to_reference", "dflash", "reference_chain"),
+                               ("dflash_equal_to_none", "dflash", "none"),
+                               ("ddtree_equal_to_none", "ddtree", "none")):
+            r[key] = sum(x == y for x, y in zip(r[spec]["outputs"], r[ref]["outputs"]))
+        for x in r.values():
+            if isinstance(x, dict):
+                x.pop("outputs", None)
+        return r
+
+    def acceptance(self) -> dict:
+        """Mean tokens committed per target forward of each `--acceptance-modes` item
+        (spec:tree_sampling) at each of --temperatures, per held-out prompt category."""
+        from flashtree.bench.prompt_sets import eval_sets
+
+        a = self.args
+        self.release()
+        sets = {k: v[: a.per_category] for k, v in eval_sets(a.per_category).items()}
+        rows = []
+        for mode in a.acceptance_modes.split(","):
+            spec, sampling = mode.split(":")
+            llm = LLM(model=a.default_model, draft=a.default_draft, spec=spec,
+                      tree_sampling=sampling, spec_policy="fixed", device=a.device)
+            for t in (float(v) for v in a.temperatures.split(",")):
+                if t == 0 and sampling == "rrs":
+                    continue  # greedy requests always use deterministic candidates
+                row: dict = {"spec": spec, "sampling": sampling if t > 0 else "greedy", "T": t}
+                lengths: dict[str, list[int]] = {}
+                for name, texts in sets.items():
+                    params = [SamplingParams(temperature=t, max_tokens=a.acceptance_tokens,
+                                             seed=i) for i in range(len(texts))]
+                    outs = llm.chat([[{"role": "user", "content": x}] for x in texts], params)
+                    lengths[name] = [n for o in outs for n in o.outputs[0].spec_accept_lengths]
+                    row[name] = _mean(lengths[name])
+                every = [n for v in lengths.values() for n in v]
+                row.update(all=_mean(every), steps=len(every))
+                rows.append(row)
+                print(row, flush=True)
+            llm.shutdown()
+        return {"categories": {k: len(v) for k, v in sets.items()}, "rows": rows,
+                "max_tokens": a.acceptance_tokens}
+
+
+def _mean(values: list) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def speculative_share(eng, budgets_before: dict[int, int]) -> float:
+    """Of the request-steps decoded since `budgets_before` (the stats' budgets then), the share
+    that speculated (0 for plain decoding)."""
+    if eng.spec_stats is None:
+        return 0.0
+    new = {k: v - budgets_before.get(k, 0) for k, v in eng.spec_stats.budgets.items()}
+    return sum(v for k, v in new.items() if k > 0) / max(1, sum(new.values()))
+
+
+def policy_view(policy) -> dict | None:
+    """What an adaptive policy has measured per size class of batches (its verdict's inputs):
+    median plain and speculative step ms, tokens committed per request per speculative step,
+    back-off."""
+    if not isinstance(policy, AdaptivePolicy):
+        return None
+
+    def med(times) -> float | None:
+        return 1e3 * sorted(times)[len(times) // 2] if times else None
+    return {key: {"plain_ms": med(b.plain_s), "spec_ms": med(b.spec_s), "accepted": b.accepted,
+                  "backoff": b.backoff} for key, b in sorted(policy.size_classes.items())}
+
+
+def _interpolate(xs: list[float], ys: list[float], y: float) -> float:
+    """x where the increasing-ish curve ys(xs) reaches y (clamped to the ends)."""
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if y0 <= y <= y1 and y1 > y0:
+            return x0 + (x1 - x0) * (y - y0) / (y1 - y0)
+    return xs[-1] if y > max(ys) else xs[0]
+
+
+# --------------------------------------------------------------------------- end to end
+def e2e_flashtree(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
+    """Greedy generation, one request at a time: tokens/s over all, mean acceptance, outputs."""
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs, seconds = [], 0.0
+    for p in prompts:
+        s, out = wall_s(lambda p=p: llm.generate([p], sp)[0].outputs[0], llm.device)
+        outs.append(out)
+        seconds += s
+    accepts = [a for o in outs for a in o.spec_accept_lengths]
+    return {"tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds, "seconds": seconds,
+            "mean_accept": _mean(accepts), "outputs": [list(o.token_ids) for o in outs]}
+
+
+def e2e_numbers(run_s, tokens: int) -> dict:
+    """tokens/s of one run of `tokens` new tokens, and decode ms/token net of the first."""
+    run_s(4)  # warm-up
+    full, one = run_s(tokens), run_s(1)
+    return {"tokens_per_s": tokens / full, "seconds": full, "first_token_s": one,
+            "decode_ms_per_token": (full - one) / (tokens - 1) * 1e3}
+
+
+def flashtree_s(llm: LLM, prompt: list[int], tokens: int) -> float:
+    """Seconds of one greedy generate of exactly `tokens` new tokens (prefill included)."""
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    seconds, out = wall_s(lambda: llm.generate([prompt], sp), llm.device)
+    assert len(out[0].outputs[0].token_ids) == tokens
+    return seconds
+
+
+def load_hf(path: Path, dtype: torch.dtype, device: torch.device):
+    """transformers' model of a checkpoint directory or a GGUF file."""
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(dtype=dtype, device_map=str(device))  # = .to(device), without a CPU copy first
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    **kw).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), **kw).eval()
+
+
+def hf_generate_s(model, prompt: list[int], tokens: int) -> float:
+    """Seconds of one greedy `generate` of exactly `tokens` new tokens (prefill included)."""
+    device = model.device
+    ids = torch.tensor([prompt], device=device)  # [1, L]
+    with torch.inference_mode():
+        seconds, out = wall_s(lambda: model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
+            min_new_tokens=tokens, pad_token_id=0), device)
+    assert out.shape[1] == len(prompt) + tokens, out.shape
+    return seconds
+
+
+def pair_prompts(target: Path, n: int) -> tuple[list[list[int]], str]:
+    """`n` held-out prompts (round robin over chat/code/math) through the target's chat
+    template; random token ids when it has no tokenizer."""
+    from flashtree.bench.prompt_sets import BUILT_IN
+    from flashtree.tokenizer import Tokenizer
+
+    texts = [t for group in zip(*BUILT_IN.values()) for t in group][:n]
+    try:
+        tok = Tokenizer.load(target)
+        return [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts], \
+            "held-out chat/code/math prompts, chat template"
+    except Exception as e:  # noqa: BLE001 - a tokenizer-less target still gets measured
+        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+        gen = torch.Generator().manual_seed(4)
+        ids = [torch.randint(0, vocab - 1, (48,), generator=gen).tolist() for _ in range(n)]
+        return ids, f"random 48-token prompts (no chat template: {type(e).__name__})"
+
+
+def reference_dflash(target: Path, drafter: Path, prompts: list[list[int]], tokens: int,
+                     dtype: torch.dtype, device: torch.device) -> dict:
+    """z-lab's `dflash_generate` on transformers' model of the same checkpoint, greedy, batch
+    1, no stop tokens: block 1 (its AR) and the drafter's block (the DFlash chain)."""
+    import dflash.model as ref
+
+    if device.type != "cuda":
+        ref._cuda_time = time.perf_counter  # its timer synchronizes CUDA unconditionally
+    model = load_hf(target, dtype, device)
+    draft = ref.DFlashDraftModel.from_pretrained(str(drafter), dtype=dtype).to(device).eval()
+    out = {}
+    for name, block in (("reference_ar", 1), ("reference_chain", None)):
+        def one(p: list[int], n: int = tokens, b: int | None = block):
+            return ref.dflash_generate(draft, model, torch.tensor([p], device=device), n, None,
+                                       temperature=0.0, block_size=b, return_stats=True)
+
+        one(prompts[0], 8)  # warm-up
+        timed = [wall_s(lambda p=p: one(p), device) for p in prompts]
+        stats = [s for _, s in timed]
+        accepts = [a for s in stats for a in s.acceptance_lengths]
+        seconds = sum(t for t, _ in timed)
+        out[name] = {
+            "tokens_per_s": sum(s.num_output_tokens for s in stats) / seconds,
+            "seconds": seconds, "mean_accept": _mean(accepts),
+            "outputs": [s.output_ids[0, s.num_input_tokens:].tolist() for s in stats]}
+        print(f"reference {name}: {out[name]['tokens_per_s']:.1f} tok/s", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------- report
+def summary(res: dict) -> dict:
+    """The headline keys (the goals' and others) from the sections present."""
+    out: dict = {}
+    st, c1, prof, sw, pair, gen = (res.get(k) for k in ("steps", "c1", "profile", "sweep",
+                                                         "pair", "generate"))
+    if st:
+        ar = st["ar"].get("1") or next(iter(st["ar"].values()))
+        out.update(ar_step_over_floor=ar["ms"] / ar["floor_ms"],
+                   draft_over_ar_step=st["draft_ms"] / ar["ms"],
+                   verify16_over_ar_step=st["verify16_ms"] / ar["ms"],
+                   verify64_over_ar_step=st["verify64_ms"] / ar["ms"])
+        if "peer_ms" in st:
+            out["ar_speed_over_compiled_peer"] = st["peer_ms"] / ar["ms"]
+        if st["graphs"]:
+            out["ar_graph_speedup_b1"] = ar["eager_ms"] / ar["ms"]
+    if c1:
+        best = c1["ddtree_budgets"][str(c1["best_budget"])]
+        none, dflash = c1["none"]["tokens_per_s"], c1["dflash"]["tokens_per_s"]
+        out.update(dflash_over_none_c1=dflash / none,
+                   ddtree_over_none_c1=best["tokens_per_s"] / none,
+                   ddtree_over_dflash_c1=best["tokens_per_s"] / dflash,
+                   measured_tau_dflash=c1["dflash"]["tau"], measured_tau_ddtree=best["tau"])
+    if prof:
+        reads = [prof[m]["device_reads"] for m in ("dflash", "ddtree")]
+        out.update(gpu_busy_spec_step=prof["ddtree"]["gpu_busy"],
+                   device_reads_per_spec_step=None if None in reads else max(reads))
+    if sw:
+        out.update(_sweep_keys(sw))
+    if pair:
+        ref = pair["reference_chain"]["tokens_per_s"]
+        out.update(speedup_vs_reference_dflash=pair["dflash"]["tokens_per_s"] / ref,
+                   ddtree_speedup_vs_reference_dflash=pair["ddtree"]["tokens_per_s"] / ref,
+                   ddtree_over_dflash_e2e=pair["ddtree"]["tokens_per_s"]
+                   / pair["dflash"]["tokens_per_s"])
+    if gen:
+        out["flashtree_over_transformers"] = (gen["flashtree"]["tokens_per_s"]
+                                              / gen["transformers"]["tokens_per_s"])
+    return out
+
+
+def _sweep_keys(sw: dict) -> dict:
+    """The lowest adaptive speedup over `none` and over the best fixed policy per concurrency,
+    and the lowest 95% lower bound of the adaptive methods' round-by-round ratios."""
+    rate = {name: [sum(r["tokens_per_s"] for r in row["runs"]) / len(row["runs"])
+                   for row in rows] for name, rows in sw["rows"].items()}
+    over_none, over_fixed, lows = [], [], []
+    for spec in ("dflash", "ddtree"):
+        for none, adaptive, fixed in zip(rate.get("none", []), rate.get(spec, []),
+                                         rate.get(f"{spec}:fixed", [])):
+            over_none.append(adaptive / none)
+            over_fixed.append(adaptive / max(none, fixed))
+        if spec in sw["rows"] and "none" in sw["rows"]:
+            lows += [i[0] for level in range(len(sw["levels"]))
+                     if (i := mean_interval(_round_ratios(sw, spec, level))) is not None]
+    out = {}
+    if over_none:
+        out.update(min_spec_over_none=min(over_none), min_adaptive_over_best_fixed=min(over_fixed))
+    if lows:
+        out["min_spec_over_none_low"] = float(min(lows))
+    return out
+
+
+def _round_ratios(sw: dict, name: str, level: int) -> list[float]:
+    """Tokens/s of `name` over `none` at the level-th concurrency, round j over round j."""
+    rows, plain = sw["rows"][name], sw["rows"]["none"]
+    if level >= len(rows) or level >= len(plain):
+        return []
+    return [a["tokens_per_s"] / b["tokens_per_s"]
+            for a, b in zip(rows[level]["runs"], plain[level]["runs"])]
+
+
+def report(res: dict, keys: dict) -> list[str]:
+    lines = []
+    cal = res.get("calibrate")
+    if cal:
+        lines += [f"Oracle settings: **paper-DFlash** P = {cal['p']:.4f} (chain acceptance "
+                  f"{PAPER_DFLASH_TAU} at block {BLOCK}); **paper-DDTree** the same P with Q = "
+                  f"{cal['q']:.3f} (Monte Carlo over the drafter's own logits: the "
+                  f"{cal['calibration_budget']}-node tree accepts {PAPER_DDTREE_TAU}). The "
+                  f"drafter's top token holds {cal['drafter_top1_mass']:.0%} of its mass.", ""]
+    lines += [f"`{k}` {v:.3f}  " for k, v in keys.items() if isinstance(v, float)] + [""]
+    for name, lines_of in SECTION_LINES.items():
+        if name in res:
+            lines += lines_of(res[name])
+    for section, error in res.get("errors", {}).items():
+        lines += [f"## {section}: failed", "", "```", error[-3000:], "```", ""]
+    return lines
+
+
+def _steps_lines(st: dict) -> list[str]:
+    lines = [f"## Steps at context {st['ctx']} (copy bandwidth {st['bytes_per_s'] / 1e9:.0f} "
+             "GB/s)", "", f"Weights {st['weight_bytes'] / 1e9:.2f} GB, a decode step reads "
+             f"{st['weight_bytes_read'] / 1e9:.2f} GB of them besides routed experts; KV "
+             f"{st['kv_bytes_per_token'] / 1e3:.1f} kB per token. Floor: those bytes, the "
+             "experts the step's tokens touch and its KV at the copy bandwidth. Smallest top-2 "
+             f"logit gap over a prompt {st['min_top2_gap']:.1f} (largest logit "
+             f"{st['max_logit']:.1f}).", "",
+             "| batch | step ms | eager ms | floor ms | step / floor |", "|---|---|---|---|---|"]
+    lines += [f"| {b} | {r['ms']:.3f} | {r['eager_ms']:.3f} | {r['floor_ms']:.3f} | "
+              f"{r['ms'] / r['floor_ms']:.2f} |" for b, r in st["ar"].items()]
+    peer = (f"compiled peer {st['peer_ms']:.3f} ms (compiled in {st['peer_compile_s']:.0f} s)"
+            if "peer_ms" in st else f"compiled peer {st['peer']}")
+    return lines + ["", f"Whole engine step at batch 1: {st['engine_step_ms']:.3f} ms; {peer}. "
+                    f"DFlash engine: decode {st['decode_with_context_ms']:.3f} ms (context "
+                    f"written for the drafter), 16-token chain verify {st['verify16_ms']:.3f} "
+                    f"ms, draft {st['draft_ms']:.3f} ms, a block's context injection "
+                    f"{st['inject_ms']:.3f} ms; DDTree engine: 64-node verify "
+                    f"{st['verify64_ms']:.3f} ms. Graph-replayed: {st['graphs']}.", ""]
+
+
+def _verify_lines(v: dict) -> list[str]:
+    ctxs = list(v["ms"])
+    lines = ["## Tree verify over the AR step (batch 1, random trees of depth < 16)", "",
+             "| nodes | " + " | ".join(f"ctx {c} ms | / AR step" for c in ctxs) + " |",
+             "|---|" + "---|---|" * len(ctxs)]
+    for n in v["ms"][ctxs[0]]:
+        lines.append(f"| {n} | " + " | ".join(
+            f"{v['ms'][c][n]:.3f} | {v['over_ar_step'][c][n]:.2f}" for c in ctxs) + " |")
+    return lines + [""]
+
+
+def _c1_lines(c1: dict) -> list[str]:
+    none = c1["none"]["tokens_per_s"]
+    rows = [("none", c1["none"]), ("DFlash (fixed)", c1["dflash"]),
+            ("DFlash (adaptive)", c1["dflash_adaptive"])]
+    rows += [(f"DDTree budget {b}", v) for b, v in c1["ddtree_budgets"].items()]
+    rows += [(f"DDTree budget {c1['best_budget']}, topk_cap "
+              f"{c1['ddtree_topk_cap']['topk_cap']}", c1["ddtree_topk_cap"]),
+             (f"DDTree budget {c1['best_budget']} (adaptive)", c1["ddtree_adaptive"])]
+    lines = [f"## Concurrency 1 ({c1['prompts']} prompts one after another)", "",
+             "| method | tokens/s | x none | tokens/step | equal to plain |",
+             "|---|---|---|---|---|"]
+    for name, v in rows:
+        eq = "-" if v.get("equal_to_plain") is None else f"{v['equal_to_plain']:.0%}"
+        lines.append(f"| {name} | {v['tokens_per_s']:.1f} | {v['tokens_per_s'] / none:.2f} | "
+                     f"{v['tau']:.2f} | {eq} |")
+    return lines + ["", f"Best DDTree budget: {c1['best_budget']}.", ""]
+
+
+def _profile_lines(prof: dict) -> list[str]:
+    lines = [f"## Engine steps under the profiler ({prof['batch']} requests, {prof['sampled']} "
+             "sampled)", ""]
+    for name in ("none", "dflash", "ddtree"):
+        lines += [f"{prof[name]['tokens_per_step']:.2f} tokens per request per step.", "",
+                  *profile_lines(name, prof[name])]
+    return lines
+
+
+def _sweep_lines(sw: dict) -> list[str]:
+    names = list(sw["rows"])
+    lines = [f"## Concurrency sweep (DFlash at paper-DFlash, DDTree budget {sw['ddtree_budget']}"
+             f" at paper-DDTree; {sw['tokens']} timed tokens per request, {sw['rounds']} rounds:"
+             " mean [min-max] tokens/s)", "",
+             "| concurrency | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for i, c in enumerate(sw["levels"]):
+        cells = []
+        for name in names:
+            runs = ([r["tokens_per_s"] for r in sw["rows"][name][i]["runs"]]
+                    if i < len(sw["rows"][name]) else [])
+            cells.append(f"{sum(runs) / len(runs):.0f} [{min(runs):.0f}-{max(runs):.0f}]"
+                         if runs else "-")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    specs = [n for n in names if n != "none"]
+    if "none" not in names or not specs:
+        return lines + [""]
+    lines += ["", "Over `none`, round by round: mean (95% interval of the mean; where it holds "
+              "1.0 the rounds do not tell the method from `none`)", "",
+              "| concurrency | " + " | ".join(specs) + " |", "|---" * (len(specs) + 1) + "|"]
+    for i, c in enumerate(sw["levels"]):
+        cells = []
+        for name in specs:
+            ratios = _round_ratios(sw, name, i)
+            interval = mean_interval(ratios) if ratios else None
+            cells.append("-" if not ratios else f"{sum(ratios) / len(ratios):.2f}" + (
+                "" if interval is None else f" ({interval[0]:.2f}-{interval[1]:.2f})"))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _generate_lines(g: dict) -> list[str]:
+    f, h = g["flashtree"], g["transformers"]
+    return [f"## End to end against transformers (batch 1, {g['prompt_tokens']}-token prompt, "
+            f"{g['new_tokens']} new tokens, greedy)", "",
+            "| engine | tokens/s | total s | decode ms/token |", "|---|---|---|---|",
+            f"| flashtree (spec none) | {f['tokens_per_s']:.1f} | {f['seconds']:.3f} | "
+            f"{f['decode_ms_per_token']:.3f} |",
+            f"| transformers generate | {h['tokens_per_s']:.1f} | {h['seconds']:.3f} | "
+            f"{h['decode_ms_per_token']:.3f} |", ""]
+
+
+def _pair_lines(p: dict) -> list[str]:
+    ref = p["reference_chain"]["tokens_per_s"]
+    rows = [("flashtree none", p["none"]), ("flashtree DFlash", p["dflash"]),
+            ("flashtree DDTree", p["ddtree"]), ("reference, block 1 (its AR)", p["reference_ar"]),
+            ("reference chain", p["reference_chain"])]
+    return [f"## Default pair end to end ({p['num_prompts']} {p['prompts']}, {p['tokens']} new "
+            "tokens each, greedy, one at a time, fixed policy)", "",
+            "| engine | tokens/s | mean acceptance | vs reference chain |", "|---|---|---|---|",
+            *[f"| {n} | {x['tokens_per_s']:.1f} | {x['mean_accept']:.2f} | "
+              f"{x['tokens_per_s'] / ref:.2f}x |" for n, x in rows], "",
+            f"Requests whose tokens equal: DFlash and the reference chain "
+            f"{p['dflash_equal_to_reference']}/{p['num_prompts']} (bf16 near-ties may split "
+            f"them); DFlash and plain {p['dflash_equal_to_none']}, DDTree and plain "
+            f"{p['ddtree_equal_to_none']}.", ""]
+
+
+def _acceptance_lines(acc: dict) -> list[str]:
+    cats = [*acc["categories"], "all"]
+    lines = ["## Tokens per target forward on held-out prompts (" + ", ".join(
+        f"{k} {n}" for k, n in acc["categories"].items()) + f"; chat template, at most "
+        f"{acc['max_tokens']} tokens; fixed policy)", "",
+        "| spec | sampling | T | " + " | ".join(cats) + " | verify steps |",
+        "|---|---|---|" + "---|" * len(cats) + "---|"]
+    lines += [f"| {r['spec']} | {r['sampling']} | {r['T']} | "
+              + " | ".join(f"{r[c]:.2f}" for c in cats) + f" | {r['steps']} |"
+              for r in acc["rows"]]
+    return lines + [""]
+
+
+SECTION_LINES = {"steps": _steps_lines, "verify": _verify_lines, "c1": _c1_lines,
+                 "profile": _profile_lines, "sweep": _sweep_lines, "generate": _generate_lines,
+                 "pair": _pair_lines, "acceptance": _acceptance_lines}
+
+
+def plot(res: dict, path: Path) -> None:
+    """Speedup over none against acceptance (chain and tree curves, papers' points) and
+    tokens/s against acceptance (SGLang's published B200 points)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c1 = res["c1"]
+    none = c1["none"]["tokens_per_s"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label, marker in (("curve_dflash", "flashtree DFlash chain", "o"),
+                               ("curve_ddtree", f"flashtree DDTree ({c1['best_budget']} nodes)",
+                                "s")):
+        pts = sorted((p["tau"], p["tokens_per_s"]) for p in c1[key])
+        ax.plot([t for t, _ in pts], [v / none for _, v in pts], marker=marker, label=label)
+        bx.plot([t for t, _ in pts], [v for _, v in pts], marker=marker, label=label)
+    for method, marker in (("dflash", "^"), ("ddtree", "v")):
+        for tau, speedup, source in PAPER_POINTS[method]:
+            ax.scatter([tau], [speedup], marker=marker, s=60, color="black")
+            ax.annotate(source, (tau, speedup), fontsize=7, xytext=(4, -10),
+                        textcoords="offset points")
+    for tau, rate, source in SGLANG_POINTS:
+        bx.scatter([tau], [rate], marker="*", s=90, color="black")
+        bx.annotate(source, (tau, rate), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    bx.axhline(none, color="gray", linestyle=":", label="flashtree none")
+    ax.set(xlabel="tokens per step (acceptance)", ylabel="speedup over none (tokens/s)",
+           xlim=(0, 14), ylim=(0, None), title=f"Concurrency 1, {res.get('shape')}-shaped target")
+    bx.set(xlabel="tokens per step (acceptance)", ylabel="tokens/s", xlim=(0, 14),
+           ylim=(0, None), title="Tokens/s (SGLang points: B200, real Qwen3-8B)")
+    ax.legend(fontsize=8)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default="steps,calibrate,c1,profile",
+                    help=f"comma list of {', '.join(SECTIONS)}")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--layers", type=int, help="target depth (default: the shape's)")
+    ap.add_argument("--first-dense", type=int, help="DeepSeek shapes: dense layers first")
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--ctx", type=int, default=1024, help="prompt tokens (the context)")
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 32], help="AR step batches")
+    ap.add_argument("--verify-ctxs", type=_ints, default=[1024, 4096])
+    ap.add_argument("--trees", type=_ints, default=[2**i for i in range(10)],
+                    help="tree sizes of the verify section")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--copy-mib", type=int, default=2048)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts at concurrency 1")
+    ap.add_argument("--skip", type=int, default=48, help="tokens per request before timing")
+    ap.add_argument("--tokens", type=int, default=256, help="timed tokens per request")
+    ap.add_argument("--trials", type=int, default=256, help="Monte Carlo trials per setting")
+    ap.add_argument("--budgets", type=_ints, default=[15, 31, 63, 127, 255, 511],
+                    help="c1: DDTree budgets")
+    ap.add_argument("--topk-cap", type=int, help="topk_cap compared at the best budget")
+    ap.add_argument("--profile-batch", type=int, default=1)
+    ap.add_argument("--sampled-fraction", type=float, default=0.0,
+                    help="profile: the share of requests sampling at T=1 (seeded)")
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--levels", default="1,2,4,8,16,32,64,128,256", help="sweep concurrencies")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sweep-tokens", type=int, default=128)
+    ap.add_argument("--sweep-methods", default="none,dflash,ddtree")
+    ap.add_argument("--sweep-budget", type=int, help="the sweep's DDTree budget (default: the "
+                    "best at concurrency 1, at most 63)")
+    ap.add_argument("--work", default="/tmp/flashtree_speculative", help="generate: checkpoint")
+    ap.add_argument("--gen-prompt", type=int, default=1024)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--default-model", default="default", help="pair/acceptance target")
+    ap.add_argument("--default-draft", default=str(DEFAULT_DRAFTER_DIR))
+    ap.add_argument("--pair-prompts", type=int, default=8)
+    ap.add_argument("--pair-tokens", type=int, default=128)
+    ap.add_argument("--acceptance-modes", default="dflash:match,ddtree:match,dflash:rrs,"
+                    "ddtree:rrs", help="comma list of spec:tree_sampling")
+    ap.add_argument("--temperatures", default="0,0.7,1.0")
+    ap.add_argument("--per-category", type=int, default=16)
+    ap.add_argument("--acceptance-tokens", type=int, default=96)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results") /
+                    f"{datetime.date.today()}-speculative.md")
+    ap.add_argument("--plot", type=Path, help="draw the plot of this JSON and exit")
+    args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
+    sections = args.sections.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        ap.error(f"unknown sections {sorted(unknown)}; allowed: {', '.join(SECTIONS)}")
+    path = args.out.with_suffix(".json")
+    old = json.loads(path.read_text()) if path.exists() else {}
+    res = {k: old[k] for k in (*SECTIONS, "errors", "commands") if k in old}
+    res["commands"] = [*res.get("commands", []), command()]
+    layers = with_layers(SHAPES[args.shape], args.layers)["num_hidden_layers"]
+
+    def save() -> None:
+        keys = summary(res)
+        write_results(args.out, f"Speculative steps and end to end: {args.shape}-shaped target, "
+                      f"{layers} layers, {args.dtype}", report(res, keys),
+                      {**res, **keys, "shape": args.shape, "layers": layers,
+                       "command": "; ".join(res["commands"])}, GOAL_KEYS)
+
+    bench = Bench(args, res, save)
+    for section in sections:
+        t = time.time()
+        try:
+            res[section] = getattr(bench, section)()
+            res.get("errors", {}).pop(section, None)
+        except Exception:  # noqa: BLE001 - the report names the failure; the rest still run
+            bench.release()
+            res.setdefault("errors", {})[section] = traceback.format_exc()
+            print(traceback.format_exc(), flush=True)
+        print(f"[{section}: {time.time() - t:.0f} s]", flush=True)
+        save()
+    print(f"report: {args.out}\njson:   {path}")
+
+
+if __name__ == "__main__":
+    main()
