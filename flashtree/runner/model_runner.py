@@ -70,7 +70,7 @@ class ModelRunner:
         batch = ForwardBatch.build(mode, items, self.pages, self.device)
         if device_inputs is not None:
             batch.input_ids, batch.positions = device_inputs
-        return self._run(batch, gather_logits)
+        return self.run(batch, gather_logits)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch, gather_logits: bool = True
@@ -80,10 +80,6 @@ class ModelRunner:
         capture layers are set, the concatenated outputs of those layers for every token
         [num_tokens, len(capture_layers) * hidden] (None from a decode or prompt graph that
         wrote them to the drafter's cache itself: `capture_graphs`)."""
-        return self._run(batch, gather_logits)
-
-    def _run(self, batch: ForwardBatch, gather_logits: bool
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.last_batch = batch
         replayed = self._replay(batch)
         if replayed is not None:
