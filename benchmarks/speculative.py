@@ -986,7 +986,7 @@ def main() -> None:
             print(traceback.format_exc(), flush=True)
         print(f"[{section}: {time.time() - t:.0f} s]", flush=True)
         save()
-    print(f"report: {args.out}\njson:   {path}")
+    print(f"report: {args.out.with_suffix('.md')}\njson:   {path}")
 
 
 if __name__ == "__main__":

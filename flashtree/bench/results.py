@@ -149,7 +149,7 @@ def finite(x):
 
 def write_results(out: Path, title: str, body: list[str], data: dict,
                   goals: Iterable[str] = ()) -> dict:
-    """`out` (markdown: title, command, machine, goals table, `body`) and the JSON beside it:
+    """`out` with the suffix .md (title, command, machine, goals table, `body`) and .json:
     `data` with the goals' keys at the top level (None where not measured), each goal's
     threshold and verdict under "goals", and "machine" and "command" unless `data` has them.
     Returns the JSON written."""
@@ -166,7 +166,7 @@ def write_results(out: Path, title: str, body: list[str], data: dict,
     if goals:
         md += ["## Goals", "", *goals_table(data, goals), ""]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(md + body) + "\n")
+    out.with_suffix(".md").write_text("\n".join(md + body) + "\n")
     data = finite(data)
     out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
     return data
