@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flashtree.bench.results import cpu_model, num_cores, write_results
+from flashtree.bench.results import cpu_model, int_list, num_cores, write_results
 from flashtree.bench.timing import wall_s
 
 PROMPTS = [
@@ -520,17 +520,13 @@ def kernels(args) -> tuple[dict, list[str]]:
     return {"rows": rows}, lines + [""]
 
 
-def _ints(text: str) -> list[int]:
-    return list(dict.fromkeys(int(v) for v in text.split(",") if v.strip()))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="decode", help="decode, kernels or both")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batch-sizes", type=_ints, default=[1, 4], help="each dividing 8")
-    ap.add_argument("--threads", type=_ints, default=None, help="default: 1 and nproc")
+    ap.add_argument("--batch-sizes", type=int_list, default=[1, 4], help="each dividing 8")
+    ap.add_argument("--threads", type=int_list, default=None, help="default: 1 and nproc")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"a subset of {ENGINES}")
     ap.add_argument("--prefix-caching", action="store_true", help="flashtree's (off: the "
                     "other engines prefill every prompt in full)")
@@ -538,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-threshold", type=float, default=0.25)
     ap.add_argument("--idle-timeout", type=float, default=600.0)
     ap.add_argument("--max-retries", type=int, default=3)
-    ap.add_argument("--rows", type=_ints, default=[1, 4, 16], help="kernels: token rows")
+    ap.add_argument("--rows", type=int_list, default=[1, 4, 16], help="kernels: token rows")
     ap.add_argument("--layers", type=int, default=LAYERS, help="kernels: decoder layers")
     ap.add_argument("--out", type=Path,
                     default=Path("benchmarks/results") / f"{datetime.date.today()}-cpu.md")
@@ -547,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe:  # internal: one engine's memory, in a fresh process
         print(json.dumps(probe(args.probe)))
         return 0
-    args.threads = args.threads or _ints(f"1,{num_cores()}")
+    args.threads = args.threads or int_list(f"1,{num_cores()}")
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if any(b < 1 or len(PROMPTS) % b for b in args.batch_sizes):
         ap.error(f"--batch-sizes must divide {len(PROMPTS)}, got {args.batch_sizes}")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from flashtree.attention.backend import AttentionMetadata
 from flashtree.attention.sdpa import SdpaBackend
-from flashtree.bench.results import write_results
+from flashtree.bench.results import int_list, write_results
 from flashtree.bench.shapes import SHAPES
 from flashtree.bench.timing import graph_ms, median_ms
 from flashtree.kv.cache import KVCache, PageTables
@@ -275,10 +275,6 @@ def report(res: dict, args) -> list[str]:
     return lines
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="attention,mla,gemv")
@@ -287,11 +283,11 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--batches", type=_ints, default=[1, 8, 32])
-    ap.add_argument("--contexts", type=_ints, default=[512, 4096, 16384])
+    ap.add_argument("--batches", type=int_list, default=[1, 8, 32])
+    ap.add_argument("--contexts", type=int_list, default=[512, 4096, 16384])
     ap.add_argument("--mla-shape", default="deepseek-v3", choices=["deepseek-v3", "tiny-mla"])
-    ap.add_argument("--mla-contexts", type=_ints, default=[4096, 16384, 65536])
-    ap.add_argument("--mla-batches", type=_ints, default=[1, 32])
+    ap.add_argument("--mla-contexts", type=int_list, default=[4096, 16384, 65536])
+    ap.add_argument("--mla-batches", type=int_list, default=[1, 32])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", type=Path,
                     default=Path("benchmarks/results") / f"{datetime.date.today()}-kernels.md")

@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 from flashtree import LLM, SamplingParams
 from flashtree.bench.oracle import AcceptanceOracle, plain_references
 from flashtree.bench.random_pair import save_drafter, save_target
-from flashtree.bench.results import write_results
+from flashtree.bench.results import failure_lines, int_list, write_results
 from flashtree.bench.shapes import DRAFTERS, SHAPES, with_layers
 from flashtree.bench.timing import engine_step_ms, sync, wall_s
 from flashtree.distributed import one_shot_all_reduce
@@ -367,13 +367,7 @@ def report(res: dict, args) -> list[str]:
                   "|---|---|---|---|---|"]
         lines += [f"| {r['layout']} | {r['spec']} | {r['concurrency']} | "
                   f"{r['tokens_per_s']:.1f} | {r['tau']:.2f} |" for r in res["oracle"]] + [""]
-    for section, error in res.get("errors", {}).items():
-        lines += [f"## {section}: failed", "", "```", error[-3000:], "```", ""]
-    return lines
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
+    return lines + failure_lines(res)
 
 
 def main() -> None:
@@ -391,9 +385,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-ranks", type=int, default=2, help="ranks allowed on CPU")
-    ap.add_argument("--concurrency", type=_ints, default=[1, 16, 128])
-    ap.add_argument("--tree-sizes", type=_ints, default=[1, 16, 64, 256], help="tree_budget")
-    ap.add_argument("--verify-concurrency", type=_ints, default=[1])
+    ap.add_argument("--concurrency", type=int_list, default=[1, 16, 128])
+    ap.add_argument("--tree-sizes", type=int_list, default=[1, 16, 64, 256], help="tree_budget")
+    ap.add_argument("--verify-concurrency", type=int_list, default=[1])
     ap.add_argument("--ctx", type=int, default=1024, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=20, help="timed engine steps (median)")
     ap.add_argument("--equality-layers", type=int, default=4)
@@ -401,13 +395,13 @@ def main() -> None:
     ap.add_argument("--equality-specs", default="none,dflash,ddtree")
     ap.add_argument("--equality-temps", type=lambda t: [float(v) for v in t.split(",")],
                     default=[0.0, 0.8])
-    ap.add_argument("--comm-tokens", type=_ints, default=[1, 16, 128, 128 * 65])
+    ap.add_argument("--comm-tokens", type=int_list, default=[1, 16, 128, 128 * 65])
     ap.add_argument("--comm-iters", type=int, default=50)
     ap.add_argument("--oracle", type=lambda t: tuple(float(v) for v in t.split(",")),
                     default=(0.863, 0.5), metavar="P,Q",
                     help="oracle rates: the drafter's top-1 is right with P (0.863: tau 6.6 "
                          "for a block-16 chain, the DFlash paper's), its top-2 with Q of the rest")
-    ap.add_argument("--oracle-concurrency", type=_ints, default=[1, 32])
+    ap.add_argument("--oracle-concurrency", type=int_list, default=[1, 32])
     ap.add_argument("--oracle-tokens", type=int, default=256)
     args = ap.parse_args()
     layouts = args.layouts.split(",")

@@ -14,25 +14,40 @@
               mean, minimum and the mean's 95% interval (Student's t: where it holds 1.0 the
               runs do not tell the spec from `none`), the adaptive policy's mean budget, each
               adaptive spec over each of its fixed budgets, and a plot (OUT_DIR/summary.*)
+  threads     `flashtree serve default` at each --threads (default: torch's and 1), idle and
+              beside a busy process, in interleaved rounds: output tokens/s and TTFT
 
     python -m benchmarks.serving prefix --out benchmarks/results/DATE-prefix-cpu.md
     python -m benchmarks.serving prefix --device cuda --out benchmarks/results/DATE-prefix-gpu.md
     python -m benchmarks.serving structured --out benchmarks/results/DATE-structured-cpu.md
-    python -m benchmarks.serving summary OUT_DIR"""
+    python -m benchmarks.serving summary OUT_DIR
+    python -m benchmarks.serving threads --out benchmarks/results/DATE-serve-threads-cpu.md"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from flashtree import LLM, SamplingParams
+from flashtree.bench.datasets import load_dataset
+from flashtree.bench.metrics import summarize as summarize_records
 from flashtree.bench.report import mean_budget, read_rows
 from flashtree.bench.results import mean_interval, write_results
+from flashtree.bench.server_process import launch, stop_servers
+from flashtree.bench.serving import run_serving
 from flashtree.bench.timing import wall_s
 
 PERSON = {"type": "object", "properties": {
@@ -301,6 +316,58 @@ def _plot(out_dir: Path, specs: list[str], levels: list[int],
     return path
 
 
+def _rounds(servers: dict[int, str], prompts: list, args) -> list[dict]:
+    """Every server idle and beside a busy Python loop (as a load generator is), in rounds."""
+    for base in servers.values():  # warm-up: the first request of each server
+        asyncio.run(run_serving(base, "default", prompts[:1], 1, 4))
+    runs, busy = [], [sys.executable, "-c", "while True: pass"]
+    for round_, load, (n, base) in itertools.product(range(args.rounds), ("idle", "busy"),
+                                                     servers.items()):
+        loop = subprocess.Popen(busy) if load == "busy" else None
+        try:
+            records, duration, _ = asyncio.run(run_serving(base, "default", prompts,
+                                                           args.concurrency, args.max_tokens))
+        finally:
+            if loop is not None:
+                loop.kill()
+                loop.wait()
+        runs.append({"round": round_, "load": load, "threads": n,
+                     **summarize_records(records, duration)})
+    return runs
+
+
+def threads(args) -> None:
+    load_before = os.getloadavg()
+    prompts = load_dataset("chat", args.requests)
+    with tempfile.TemporaryDirectory(prefix="serve-threads-") as tmp:
+        logs, procs, servers = Path(tmp), [], {}
+        try:
+            for n in args.threads:
+                base, proc = launch("default", logs / f"{n}.log", "--threads", str(n), timeout=600)
+                procs.append(proc)
+                servers[n] = f"{base}/v1"
+            runs = _rounds(servers, prompts, args)
+        finally:
+            stop_servers(procs, timeout=120)
+        kv_lines = sorted({line for log in logs.glob("*.log")
+                           for line in log.read_text().splitlines() if "KV cache:" in line})
+    lines = [f"`flashtree serve default` with each `--threads` (torch's default: "
+             f"{torch.get_num_threads()}); {args.requests} streamed `chat` requests of at most "
+             f"{args.max_tokens} tokens at concurrency {args.concurrency}, idle and beside a "
+             f"busy Python loop, {args.rounds} rounds interleaved. Load average before: "
+             f"{', '.join(f'{x:.2f}' for x in load_before)}. Start-up: {'; '.join(kv_lines)}.",
+             "", "| --threads | load | output tokens/s (rounds) | median | median TTFT ms "
+             "(rounds) | median | failed |", "|---:|---|---|---:|---|---:|---:|"]
+    for n, load in itertools.product(args.threads, ("idle", "busy")):
+        mine = [r for r in runs if r["threads"] == n and r["load"] == load]
+        rate, ttft = ([r[k] for r in mine] for k in ("output_throughput", "median_ttft_ms"))
+        lines.append(f"| {n} | {load} | {', '.join(f'{x:.1f}' for x in rate)} | "
+                     f"**{statistics.median(rate):.1f}** | {', '.join(f'{x:.0f}' for x in ttft)}"
+                     f" | **{statistics.median(ttft):.0f}** | {sum(r['failed'] for r in mine)} |")
+    res = {"load_average_before": load_before, "runs": runs, "kv_cache": kv_lines}
+    write_results(args.out, "Serving threads beside a busy process (CPU)", lines + [""], res)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="study", required=True)
@@ -319,11 +386,16 @@ def main() -> None:
         parser.add_argument("--out", type=Path, required=True, help="markdown (JSON beside it)")
     sub.add_parser("summary", help="a concurrency sweep's folder").add_argument(
         "out_dir", type=Path, help="the sweep's OUT_DIR (holding run1, run2, ...)")
+    t = sub.add_parser("threads", help="serve's --threads, idle and beside a busy process")
+    t.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads(), 1])
+    for name, default in ("requests", 4), ("concurrency", 4), ("max-tokens", 48), ("rounds", 3):
+        t.add_argument(f"--{name}", type=int, default=default)
+    t.add_argument("--out", type=Path, required=True, help="markdown (JSON beside it)")
     args = ap.parse_args()
     if args.study == "summary":
         print("\n".join(map(str, summarize(args.out_dir))))
     else:
-        {"prefix": prefix, "structured": structured}[args.study](args)
+        {"prefix": prefix, "structured": structured, "threads": threads}[args.study](args)
 
 
 if __name__ == "__main__":

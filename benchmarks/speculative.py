@@ -49,7 +49,7 @@ from flashtree.bench.oracle import AcceptanceOracle, expected_tree_acceptance
 from flashtree.bench.peer import CompiledPeer
 from flashtree.bench.profile import profile_calls, profile_lines
 from flashtree.bench.random_pair import random_drafter, random_target, save_target, top2_gaps
-from flashtree.bench.results import command, mean_interval, write_results
+from flashtree.bench.results import command, failure_lines, int_list, mean_interval, write_results
 from flashtree.bench.shapes import DRAFTERS, SHAPES, with_layers
 from flashtree.bench.timing import (
     Scratch,
@@ -723,9 +723,7 @@ def report(res: dict, keys: dict) -> list[str]:
     for name, lines_of in SECTION_LINES.items():
         if name in res:
             lines += lines_of(res[name])
-    for section, error in res.get("errors", {}).items():
-        lines += [f"## {section}: failed", "", "```", error[-3000:], "```", ""]
-    return lines
+    return lines + failure_lines(res)
 
 
 def _steps_lines(st: dict) -> list[str]:
@@ -899,10 +897,6 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="steps,calibrate,c1,profile",
@@ -915,9 +909,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--ctx", type=int, default=1024, help="prompt tokens (the context)")
-    ap.add_argument("--batches", type=_ints, default=[1, 8, 32], help="AR step batches")
-    ap.add_argument("--verify-ctxs", type=_ints, default=[1024, 4096])
-    ap.add_argument("--trees", type=_ints, default=[2**i for i in range(10)],
+    ap.add_argument("--batches", type=int_list, default=[1, 8, 32], help="AR step batches")
+    ap.add_argument("--verify-ctxs", type=int_list, default=[1024, 4096])
+    ap.add_argument("--trees", type=int_list, default=[2**i for i in range(10)],
                     help="tree sizes of the verify section")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--copy-mib", type=int, default=2048)
@@ -925,7 +919,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=48, help="tokens per request before timing")
     ap.add_argument("--tokens", type=int, default=256, help="timed tokens per request")
     ap.add_argument("--trials", type=int, default=256, help="Monte Carlo trials per setting")
-    ap.add_argument("--budgets", type=_ints, default=[15, 31, 63, 127, 255, 511],
+    ap.add_argument("--budgets", type=int_list, default=[15, 31, 63, 127, 255, 511],
                     help="c1: DDTree budgets")
     ap.add_argument("--topk-cap", type=int, help="topk_cap compared at the best budget")
     ap.add_argument("--profile-batch", type=int, default=1)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 
 from flashtree.bench.cli import add_bench_parser, cmd_bench
 
@@ -32,8 +34,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: speculate where it measures faster than plain decoding, "
                         "per batch size; fixed: always the full block or tree")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default: torch's, all cores; on a CPU shared "
-                        "with other busy processes, 1 avoids a collapse)")
+                   help="CPU threads for torch (default: all cores for generate and chat; "
+                        "serve: one fewer, at least 1, since torch's threads collapse when "
+                        "another busy process shares their cores; docs/deploy.md)")
+    p.add_argument("--kv-cache-memory-gib", type=_positive_gib, default=None, metavar="GIB",
+                   help="KV cache size in GiB, on any device (default on a CPU: a quarter "
+                        "of the memory available, at most 4 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="SHARE",
+                   help="share of the GPU's total memory for weights, activations and the KV "
+                        "cache, in (0, 1] (vLLM's; default: the KV cache takes half the "
+                        "memory free after loading)")
     p.add_argument("--quantization", default=None, choices=["int4"],
                    help="int4: keep a GGUF model's Q4_0/Q4_1 weights 4-bit on the CPU (about "
                         "2x faster decoding than float32; bfloat16 activations in them)")
@@ -42,6 +52,37 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt from scratch instead of reusing the KV pages "
                         "of prefixes computed before")
+
+
+def _bounded_float(allowed: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: a float for which `ok` holds (NaN fails every comparison), else
+    "must be `allowed`"."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
+        return value
+
+    return parse
+
+
+_positive_gib = _bounded_float("a size in GiB > 0", lambda x: 0 < x < math.inf)
+_fraction = _bounded_float("in (0, 1]", lambda x: 0 < x <= 1)
+_seconds = _bounded_float("a number of seconds >= 0", lambda x: 0 <= x < math.inf)
+
+
+def serve_threads(threads: int | None) -> int:
+    """`serve`'s torch threads: those asked for, else one fewer than torch's default (its
+    cores), at least 1: torch's threads spin at their barriers, so beside another busy
+    process (a load generator, the HTTP loop) threads on every core collapse
+    (benchmarks/results/2026-12-06-serve-threads-cpu.md)."""
+    import torch
+
+    return threads if threads is not None else max(1, torch.get_num_threads() - 1)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -58,16 +99,32 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashtree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    _add_chat_parser(sub)
+    _add_serve_parser(sub)
+    _add_plan_parser(sub)
+    add_bench_parser(sub)
+    _add_train_parser(sub)
+    return parser
+
+
+def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="complete a raw prompt and print the result")
     gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
     _add_model_args(gen)
     _add_sampling_args(gen)
+
+
+def _add_chat_parser(sub) -> None:
     chat = sub.add_parser("chat", help="chat with the model (streams tokens to the terminal)")
     chat.add_argument("-m", "--message", default=None,
                       help="send one message, print the streamed reply and exit")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_args(chat)
     _add_sampling_args(chat)
+
+
+def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("model", nargs="?", default="default",
                        help="'default', a Hugging Face dir or a .gguf file")
@@ -78,18 +135,42 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--topk-cap", type=int, default=None)
     serve.add_argument("--tree-sampling", default="match", choices=["match", "rrs"])
     _add_engine_args(serve)
+    _add_serve_http_args(serve)
+    _add_serve_engine_args(serve)
+
+
+def _add_serve_http_args(serve: argparse.ArgumentParser) -> None:
+    """Where the server listens, its API key, and what it allows a request and a shutdown."""
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--api-key-file", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/*, KEY read from this "
+                            "file (no access for other users; a trailing newline is dropped); "
+                            "without it FLASHTREE_API_KEY from the environment, if set")
+    serve.add_argument("--api-key", default=None,
+                       help="the key on the command line (shows in `ps`: prefer the above)")
+    serve.add_argument("--enable-docs", action="store_true",
+                       help="serve /docs, /redoc and /openapi.json (off by default; not behind "
+                            "the API key)")
+    serve.add_argument("--shutdown-timeout", type=_seconds, default=75.0,
+                       help="seconds SIGTERM lets running requests finish; streams still "
+                            "running then end with an error event (default 75: with the "
+                            "engine's stop, within the shipped unit's TimeoutStopSec=90; "
+                            "docs/deploy.md)")
     serve.add_argument("--served-model-name", default=None,
                        help="model name clients send (default: the model argument)")
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                       help="largest request body, chunked or not (413 above it)")
+    serve.add_argument("--max-tokens-limit", type=int, default=4096,
+                       help="largest max_tokens a request may ask for")
+
+
+def _add_serve_engine_args(serve: argparse.ArgumentParser) -> None:
+    """The served engine's device, sizes and parallelism."""
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
-    serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
-    serve.add_argument("--max-tokens-limit", type=int, default=4096,
-                       help="largest max_tokens a request may ask for")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp",
                        help="tensor-parallel ranks (one process each; GPUs 0..N-1 on CUDA)")
@@ -97,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="expert-parallel size (divides --tp): routed experts are split "
                             "over --ep groups of the TP ranks, each expert sliced over "
                             "tp/ep ranks (SGLang's convention)")
+
+
+def _add_plan_parser(sub) -> None:
     plan = sub.add_parser("plan", help="parameter counts and per-GPU memory under TP/EP, from "
                                        "config.json alone (no weights read)")
     plan.add_argument("--config", required=True, help="target config.json (or its directory)")
@@ -109,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--usable-fraction", type=float, default=0.9,
                       help="share of GPU memory for weights + KV (the rest: activations, "
                            "workspace)")
-    add_bench_parser(sub)
+
+
+def _add_train_parser(sub) -> None:
     train = sub.add_parser("train-drafter", help="train a DFlash drafter for a target model")
     train.add_argument("--target", default="default", help="target model (as --model)")
     train.add_argument("--out", required=True, help="output directory (z-lab DFlash format)")
@@ -119,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="target layers whose outputs feed the drafter (default: spaced)")
     train.add_argument("--mask-token-id", type=int, default=None,
                        help="mask token (default: an unused special token of the target)")
+    _add_train_data_args(train)
+    _add_train_run_args(train)
+
+
+def _add_train_data_args(train: argparse.ArgumentParser) -> None:
+    """The distillation data: prompts, the target's responses to them, and where they are kept."""
     train.add_argument("--prompts", default=None,
                        help="text file, one prompt per line (default: built-in prompt set)")
     train.add_argument("--num-prompts", type=int, default=2000,
@@ -137,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--labels", default="target", choices=["target", "tokens"],
                        help="what each block slot learns: the target's next-token "
                             "distribution (soft labels) or the data token (the paper's recipe)")
+
+
+def _add_train_run_args(train: argparse.ArgumentParser) -> None:
+    """The training run: steps, batches, optimizer, checkpoints, device."""
     train.add_argument("--steps", type=int, default=2000)
     train.add_argument("--batch-size", type=int, default=16)
     train.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
@@ -156,25 +252,39 @@ def build_parser() -> argparse.ArgumentParser:
                        help="batch size of the data generation")
     train.add_argument("--enforce-eager", action="store_true",
                        help="generate without CUDA graphs (debugging)")
-    return parser
+
+
+def configure_server_logging() -> None:
+    """flashtree's own loggers (request failures with their tracebacks, warnings) to stderr
+    at INFO, each line with its time, level and logger; uvicorn configures its own."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("flashtree")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # a handler on the root logger would print every line twice
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import os
 
     from flashtree import LLM
     from flashtree.engine.heap import freeze_startup_heap
-    from flashtree.server.app import (
-        DrainingServer,
-        ServerConfig,
-        ServerState,
-        build_app,
-        load_in_background,
-    )
+    from flashtree.server.app import ServerConfig, ServerState, load_in_background, make_server
+    from flashtree.server.guard import read_api_key
 
-    cfg = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+    try:
+        api_key = read_api_key(args.api_key, args.api_key_file, os.environ)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    configure_server_logging()
+    cfg = ServerConfig(model_name=args.served_model_name or args.model, api_key=api_key,
                        max_request_bytes=args.max_request_bytes,
-                       max_tokens_limit=args.max_tokens_limit)
+                       max_tokens_limit=args.max_tokens_limit,
+                       shutdown_timeout=args.shutdown_timeout, enable_docs=args.enable_docs)
     state = ServerState()
 
     def make_llm():
@@ -184,17 +294,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
                   enable_prefix_caching=args.prefix_caching,
                   device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, seed=args.seed, threads=args.threads,
-                  tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
-                  quantization=args.quantization)
+                  max_num_seqs=args.max_num_seqs, seed=args.seed,
+                  threads=serve_threads(args.threads), tensor_parallel_size=args.tp,
+                  expert_parallel_size=args.ep, quantization=args.quantization,
+                  kv_cache_memory_gib=args.kv_cache_memory_gib,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
+        print(f"flashtree: {llm.kv_cache_summary()}", flush=True)
         freeze_startup_heap()
         return llm
 
     load_in_background(state, make_llm)
     # SIGTERM: uvicorn stops accepting connections and lets running requests finish.
-    server = DrainingServer(uvicorn.Config(build_app(cfg, state), host=args.host,
-                                            port=args.port, log_level="info",
-                                            timeout_graceful_shutdown=60))
+    server = make_server(cfg, state, args.host, args.port)
     state.stop_server = lambda: setattr(server, "should_exit", True)
     server.run()
     if state.engine is not None:
@@ -301,12 +412,16 @@ def _load(args: argparse.Namespace):
     from flashtree import LLM
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    return LLM(model=args.model, draft=args.draft, spec=args.spec, block_size=args.block_size,
-               tree_budget=args.tree_budget, topk_cap=args.topk_cap,
-               spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
-               enable_prefix_caching=args.prefix_caching,
-               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               seed=args.seed, threads=args.threads, quantization=args.quantization)
+    llm = LLM(model=args.model, draft=args.draft, spec=args.spec, block_size=args.block_size,
+              tree_budget=args.tree_budget, topk_cap=args.topk_cap,
+              spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=args.prefix_caching,
+              device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              seed=args.seed, threads=args.threads, quantization=args.quantization,
+              kv_cache_memory_gib=args.kv_cache_memory_gib,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    print(llm.kv_cache_summary(), file=sys.stderr, flush=True)
+    return llm
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

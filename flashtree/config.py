@@ -26,9 +26,12 @@ def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.d
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache geometry. `num_pages=None` sizes the pool to hold `max_num_seqs` x
-    `max_model_len` tokens, capped by `memory_bytes` (default: 256 MiB on CPU, half the free
-    memory on GPU) and never below one `max_model_len` sequence (`runner/kv_pool.py`).
+    """Paged KV cache geometry and size (`runner/kv_pool.py`). `num_pages` given is the pool;
+    else it holds `max_num_seqs` x `max_model_len` tokens within a memory budget, never below
+    one `max_model_len` sequence. The budget: `memory_bytes`; or on a GPU
+    `gpu_memory_utilization`, vLLM's share of the GPU's total memory for the whole engine
+    (weights, activations and the pool); by default half the free GPU memory, or on a CPU a
+    share of the memory available. At most one of the three is given.
     `prefix_caching`: requests reuse the full pages of prompts computed before
     (`kv/prefix_cache.py`)."""
 
@@ -36,6 +39,7 @@ class CacheConfig:
     num_pages: int | None = None
     memory_bytes: int | None = None
     prefix_caching: bool = True
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -44,6 +48,13 @@ class CacheConfig:
             raise ValueError(f"num_pages must be > 0, got {self.num_pages}")
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be > 0, got {self.memory_bytes}")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:  # NaN fails too
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {share}")
+        sizes = [name for name in ("num_pages", "memory_bytes", "gpu_memory_utilization")
+                 if getattr(self, name) is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"{' and '.join(sizes)} each size the KV pool; give one")
 
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)

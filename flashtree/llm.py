@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import math
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
@@ -27,6 +28,7 @@ from flashtree.models.dflash import DFlashDraftModel, load_dflash_drafter
 from flashtree.models.llama import DecoderModel
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR, load_model, resolve_model_path
 from flashtree.outputs import CompletionOutput, RequestOutput
+from flashtree.runner.kv_pool import GIB, check_pool_device, pool_summary
 from flashtree.sampling import SamplingParams
 from flashtree.sequence import Sequence
 from flashtree.tokenizer import Tokenizer
@@ -57,6 +59,8 @@ class LLM:
         spec_policy: str = "adaptive",
         page_size: int = 16,
         kv_cache_pages: int | None = None,
+        kv_cache_memory_gib: float | None = None,
+        gpu_memory_utilization: float | None = None,
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = 1024,
         threads: int | None = None,
@@ -110,6 +114,9 @@ class LLM:
                              "read one process-wide group); call its shutdown() first")
         self.spec = spec
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        cache = _cache_config(page_size, kv_cache_pages, kv_cache_memory_gib,
+                              gpu_memory_utilization, enable_prefix_caching)
+        check_pool_device(cache, self.device)
         self._tp: TPGroup | None = None
         if tensor_parallel_size > 1 and not _tp_member:
             # Every rank builds its shard from the same arguments.
@@ -125,8 +132,7 @@ class LLM:
                 tree_budget=tree_budget, topk_cap=topk_cap, dtype=dtype,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 skip_tokenizer_init=skip_tokenizer_init, seed=seed, tree_sampling=tree_sampling,
-                spec_policy=spec_policy, page_size=page_size, kv_cache_pages=kv_cache_pages,
-                enable_prefix_caching=enable_prefix_caching,
+                spec_policy=spec_policy, cache=cache,
                 max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
                 quantization=quantization)
         except BaseException:
@@ -141,6 +147,11 @@ class LLM:
         if self._tp is not None:
             self._tp.shutdown()
 
+    def kv_cache_summary(self) -> str:
+        """"KV cache: N tokens (M pages of P) in X GiB", which the CLI prints at start-up."""
+        e = self.engine
+        return pool_summary(e.pages, [e.cache] + ([e.proposer.cache] if e.proposer else []))
+
     @classmethod
     def from_modules(cls, model: DecoderModel, model_config: ModelConfig,
                      drafter: DFlashDraftModel | None = None, **options) -> LLM:
@@ -153,9 +164,8 @@ class LLM:
 
     def _build(self, *, model, draft, modules, spec, block_size, tree_budget, topk_cap, dtype,
                max_model_len, max_num_seqs, skip_tokenizer_init, seed, tree_sampling,
-               spec_policy, page_size, kv_cache_pages, enable_prefix_caching,
-               max_num_batched_tokens,
-               enforce_eager, quantization) -> None:
+               spec_policy, cache, max_num_batched_tokens, enforce_eager, quantization
+               ) -> None:
         self.dtype = parse_dtype(dtype, self.device)
         if modules is None:
             path = resolve_model_path(model)
@@ -186,8 +196,6 @@ class LLM:
             max_model_len=max_model_len or min(limit, 4096),
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        cache = CacheConfig(page_size=page_size, num_pages=kv_cache_pages,
-                            prefix_caching=enable_prefix_caching)
         args = EngineConfig(self.device, self.dtype, sched, cache, spec_cfg, seed, enforce_eager)
         self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args, self.drafter)
 
@@ -300,6 +308,27 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give 1 or {n}")
         return params
+
+
+def _cache_config(page_size: int, kv_cache_pages: int | None, kv_cache_memory_gib: float | None,
+                  gpu_memory_utilization: float | None, enable_prefix_caching: bool
+                  ) -> CacheConfig:
+    """The KV cache's config from LLM's arguments, at most one of which sizes the pool."""
+    sizes = [name for name, value in (("kv_cache_pages", kv_cache_pages),
+                                      ("kv_cache_memory_gib", kv_cache_memory_gib),
+                                      ("gpu_memory_utilization", gpu_memory_utilization))
+             if value is not None]
+    if len(sizes) > 1:
+        raise ValueError(f"{' and '.join(sizes)} each size the KV cache; give one")
+    memory_bytes = None
+    if kv_cache_memory_gib is not None:
+        if not 0 < kv_cache_memory_gib < math.inf:  # NaN fails too
+            raise ValueError(f"kv_cache_memory_gib must be a size in GiB > 0, got "
+                             f"{kv_cache_memory_gib}")
+        memory_bytes = max(1, int(kv_cache_memory_gib * GIB))
+    return CacheConfig(page_size=page_size, num_pages=kv_cache_pages, memory_bytes=memory_bytes,
+                       prefix_caching=enable_prefix_caching,
+                       gpu_memory_utilization=gpu_memory_utilization)
 
 
 _INIT_ARGS = frozenset(inspect.signature(LLM.__init__).parameters) - {"self", "_tp_member",

@@ -187,9 +187,9 @@ def run_ranks(fn, nprocs: int = 2) -> dict:
     free for a tcp:// group, `out` a shared dict) and return what they put in `out`."""
     import torch.multiprocessing as mp
 
-    from tests.server.conftest import _free_port
+    from flashtree.bench.server_process import free_port
 
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(fn, args=(_free_port(), out), nprocs=nprocs, join=True)
+        mp.spawn(fn, args=(free_port(), out), nprocs=nprocs, join=True)
         return dict(out)

@@ -182,3 +182,16 @@ def mean_interval(ratios: list[float], level: float = 0.95) -> tuple[float, floa
     half = (stats.t.ppf((1 + level) / 2, len(ratios) - 1) * statistics.stdev(ratios)
             / len(ratios) ** 0.5)
     return mean - half, mean + half
+
+
+def int_list(text: str) -> list[int]:
+    """A command-line list of integers, comma-separated ("1,8,32"), each once, in order."""
+    return list(dict.fromkeys(int(v) for v in text.split(",") if v.strip()))
+
+
+def failure_lines(res: dict) -> list[str]:
+    """Markdown for the sections a run recorded as failed (`res["errors"]`: name -> traceback)."""
+    lines = []
+    for section, error in res.get("errors", {}).items():
+        lines += [f"## {section}: failed", "", "```", error[-3000:], "```", ""]
+    return lines

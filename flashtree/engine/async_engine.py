@@ -1,10 +1,11 @@
 """AsyncEngine: one background thread owns the LLMEngine and steps it; asyncio callers submit
 requests and read per-request streams of deltas. Aborts (a client that went away) free the
-request's KV at the next step."""
+request's KV at the next step and are reported to `on_finish` like finished requests."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -16,6 +17,12 @@ from flashtree.engine.llm_engine import LLMEngine
 from flashtree.logprobs import TokenLogprobs
 from flashtree.sampling import SamplingParams
 from flashtree.sequence import Sequence
+
+log = logging.getLogger("flashtree.engine")
+
+# Seconds `shutdown` waits for the engine thread's current step: part of the stop budget that
+# deploy/flashtree.service's TimeoutStopSec must cover (docs/deploy.md, "Stopping").
+STOP_TIMEOUT = 5.0
 
 
 @dataclass
@@ -70,28 +77,39 @@ class AsyncEngine:
         req = _Request(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(("add", req))
         self._wake.set()
-        first = await req.deltas.get()
-        if isinstance(first, Exception):
-            raise first
+        ended = False  # refused or finished: nothing to abort
         try:
+            first = await req.deltas.get()
+            if isinstance(first, Exception):
+                ended = True
+                raise first
             while True:
                 delta = await req.deltas.get()
                 yield delta
                 if delta.finished:
+                    ended = True
                     return
         finally:
-            if req.seq is not None and not req.seq.is_finished:
+            if not ended:  # the inbox is in order: the abort finds the request added
                 self._inbox.put(("abort", req))
                 self._wake.set()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop the engine thread after its current step, waiting at most `timeout` seconds
+        (the thread is a daemon: the process can exit without it)."""
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0f s; exiting without it",
+                        timeout)
 
     # ------------------------------------------------------------------ engine thread
     def _push(self, req: _Request, item) -> None:
-        req.loop.call_soon_threadsafe(req.deltas.put_nowait, item)
+        try:
+            req.loop.call_soon_threadsafe(req.deltas.put_nowait, item)
+        except RuntimeError:  # its event loop has closed (the server stopped): nobody reads
+            pass
 
     def _drain_inbox(self) -> None:
         while True:
@@ -112,6 +130,8 @@ class AsyncEngine:
             elif req.seq is not None and req.seq.seq_id in self._active:
                 self.engine.abort(req.seq)
                 del self._active[req.seq.seq_id]
+                if self.on_finish is not None:
+                    self.on_finish(req, time.monotonic())
 
     def _loop(self) -> None:
         while not self._stop:
@@ -130,6 +150,8 @@ class AsyncEngine:
                     self.on_fatal(self.fatal)
                 continue
             except Exception as e:  # noqa: BLE001 - fail the requests of this step, keep serving
+                log.error("engine step failed; failing its %d requests", len(self._active),
+                          exc_info=e)
                 self._fail_all(f"{type(e).__name__}: {e}")
                 continue
             now = time.monotonic()
@@ -163,8 +185,14 @@ class AsyncEngine:
                 self.on_finish(req, now)
 
     def _fail_all(self, message: str) -> None:
+        """Fail every running request (the step raised): each ends with the error, its KV is
+        freed, and `on_finish` sees it with finish reason "error" (not a client's abort)."""
+        now = time.monotonic()
         for req in list(self._active.values()):
             assert req.seq is not None
             self.engine.abort(req.seq)
-            self._push(req, Delta("", [], True, "abort", error=message))
+            req.seq.finish_reason, req.seq.error = "error", message
+            self._push(req, Delta("", [], True, "error", error=message))
+            if self.on_finish is not None:
+                self.on_finish(req, now)
         self._active.clear()

@@ -1,6 +1,7 @@
-"""`tool_choice` "required" or a named function, enforced through structured output: a Lark
-grammar (llguidance's dialect) that admits exactly one call, written the way the template family
-writes calls, whose arguments follow the function's JSON schema."""
+"""Tool calls enforced through structured output, as Lark grammars (llguidance's dialect):
+`tool_choice` "required" or a named function admits exactly one call, written the way the
+template family writes calls, whose arguments follow the function's JSON schema; the generic
+format (templates that write no calls) admits its JSON object, a call or a reply."""
 
 from __future__ import annotations
 
@@ -30,16 +31,36 @@ def forced_call_grammar(family: str, tools: list[dict], tokenizer: Tokenizer) ->
     functions = [t["function"] for t in tools]
     key = _NAMED_OBJECT.get(family)
     if key is not None:  # the name is a constant inside the JSON object
-        schema = {"anyOf": [{
-            "type": "object", "properties": {"name": {"const": f["name"]},
-                                             key: _parameters(f)},
-            "required": ["name", key], "additionalProperties": False} for f in functions]}
-        args = {_ARGS: _json(schema)}
+        args = {_ARGS: _json(_named_call(functions, key))}
         return "start: " + _sequence(_LAYOUTS[family], args, tokenizer)
     alternatives = [_sequence(_LAYOUTS[family], {_NAME: json.dumps(f["name"]),
                                                  _ARGS: _json(_parameters(f))}, tokenizer)
                     for f in functions]
     return "start: " + " | ".join(f"({a})" for a in alternatives)
+
+
+def generic_grammar(tools: list[dict], forced: list[dict] | None, parallel: bool) -> str:
+    """The generic format's answer: {"tool_calls": [{"name": ..., "arguments": {...}}]} calling
+    one of `forced` once, or without a forced choice either calls of `tools` (several when
+    `parallel`) or {"response": "..."}, the reply."""
+    functions = [t["function"] for t in (tools if forced is None else forced)]
+    count = {"minItems": 1} if parallel and forced is None else {"minItems": 1, "maxItems": 1}
+    calls = _object({"tool_calls": {"type": "array", "items": _named_call(functions, "arguments"),
+                                    **count}})
+    reply = _object({"response": {"type": "string"}})
+    return "start: " + _json(calls if forced is not None else {"anyOf": [calls, reply]})
+
+
+def _named_call(functions: list[dict], key: str) -> dict:
+    """The schema of {"name": ..., key: arguments} calling one of `functions`."""
+    return {"anyOf": [_object({"name": {"const": f["name"]}, key: _parameters(f)})
+                      for f in functions]}
+
+
+def _object(properties: dict) -> dict:
+    """An object of exactly these properties, in this order."""
+    return {"type": "object", "properties": properties, "required": list(properties),
+            "additionalProperties": False}
 
 
 def _json(schema: dict) -> str:

@@ -22,8 +22,12 @@ class ServerMetrics:
         self.prompt_tokens = Counter("flashtree:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("flashtree:generation_tokens", "Generated tokens",
                                          registry=r)
-        self.requests = Counter("flashtree:request_success", "Finished requests",
+        self.requests = Counter("flashtree:request_success",
+                                "Finished requests, by why: stop, length, abort (the client "
+                                "left or the shutdown drain ran out) or error",
                                 ["finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort", "error"):  # each series exists from the start
+            self.requests.labels(reason)
         self.running = Gauge("flashtree:num_requests_running", "Requests running", registry=r)
         self.waiting = Gauge("flashtree:num_requests_waiting", "Requests waiting", registry=r)
         self.kv_usage = Gauge("flashtree:kv_cache_usage_perc", "KV cache pages in use (0-1)",

@@ -1,8 +1,9 @@
 """Tool calls in a chat model's output, parsed into OpenAI's `tool_calls`. Each chat-template
 family writes calls its own way: Hermes/Qwen (`<tool_call>{json}</tool_call>`), Llama 3.x
 (`{"name": ..., "parameters": {...}}`, possibly after `<|python_tag|>`), Kimi K2 and DeepSeek
-V3/V3.1 (sections of special tokens). One incremental scanner serves streamed and whole
-responses alike, so a stream's content and calls always add up to the whole response's.
+V3/V3.1 (sections of special tokens); templates that write no calls get the generic format
+(one JSON object, `GenericToolParser`). One incremental scanner per format serves streamed and
+whole responses alike, so a stream's content and calls always add up to the whole response's.
 
 A tool-call block becomes calls only when every call in it is well formed and names one of the
 request's tools; otherwise its text stays in the content as the model wrote it, so nothing the
@@ -169,6 +170,17 @@ def _call_id(rid: str, index: int) -> str:
     return "call_" + hashlib.sha256(f"{rid}:{index}".encode()).hexdigest()[:24]
 
 
+def _add_call(calls: list[ToolCall], rid: str, name: str, args: dict, model_id: str | None
+              ) -> list[dict]:
+    """Append a parsed call to `calls`; its two stream events (name, then whole arguments)."""
+    index = len(calls)
+    call = ToolCall(model_id or _call_id(rid, index), name, json.dumps(args, ensure_ascii=False))
+    calls.append(call)
+    return [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                             "function": {"name": name, "arguments": ""}}]},
+            {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+
+
 def _partial_start(text: str, marker: str) -> int:
     """Length of the longest end of `text` that begins `marker` (without being all of it)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
@@ -252,14 +264,7 @@ class StreamingToolParser:
             self._content(opening + body + closing, out)
             return
         for name, args, model_id in calls:
-            index = len(self.calls)
-            call = ToolCall(model_id or _call_id(self._rid, index), name,
-                            json.dumps(args, ensure_ascii=False))
-            self.calls.append(call)
-            out.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                        "function": {"name": name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": index,
-                                        "function": {"arguments": call.arguments}}]})
+            out += _add_call(self.calls, self._rid, name, args, model_id)
         self._after_call = True
 
     def _content(self, text: str, out: list[dict]) -> None:
@@ -277,10 +282,102 @@ class StreamingToolParser:
             out.append({"content": sent})
 
 
+GENERIC = "generic"  # the format of templates that write no calls of their own
+_REPLY_START = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_ESCAPE = re.compile(r'\\(["\\/bfnrt]|u[0-9a-fA-F]{4})')
+_HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}")
+_LOW_SURROGATE = re.compile(r"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _reply_end(raw: str) -> tuple[int, bool]:
+    """For `raw`, the inside of a JSON string from after its opening quote: the length of its
+    longest start that decodes and ends on no partial escape (nor half of a surrogate pair),
+    and whether the string ends there (its closing quote, or an escape JSON has not)."""
+    i = 0
+    while i < len(raw):
+        if raw[i] == '"':
+            return i, True
+        if raw[i] != "\\":
+            i += 1
+            continue
+        if len(raw) < i + (6 if raw.startswith("\\u", i) else 2):
+            break
+        if not _ESCAPE.match(raw, i):
+            return i, True
+        width = 6 if raw[i + 1] == "u" else 2
+        if _HIGH_SURROGATE.match(raw, i):
+            if len(raw) < i + 12:
+                break  # its low half may follow
+            width = 12 if _LOW_SURROGATE.match(raw, i + 6) else 6
+        i += width
+    return i, False
+
+
+class GenericToolParser:
+    """The generic format's output, one JSON object that the grammar of
+    `forced_tools.generic_grammar` keeps it to: {"response": "..."} is the reply, its text sent
+    as it is decoded; {"tool_calls": [{"name": ..., "arguments": {...}}, ...]} is calls, sent
+    when the output ends (the grammar ends it right after the object). A reply cut short (by
+    max_tokens or a stop string) or broken is the text decoded so far; anything else stays
+    content as written. The same feed/finish/calls as StreamingToolParser."""
+
+    def __init__(self, tools: list[dict], rid: str) -> None:
+        self._names = {tool["function"]["name"] for tool in tools}
+        self._rid = rid
+        self.calls: list[ToolCall] = []
+        self._text = ""  # the output so far
+        self._reply: int | None = None  # offset in _text of the reply's undecoded rest
+        self._replied = False  # the reply's closing quote was read
+
+    def feed(self, delta: str) -> list[dict]:
+        self._text += delta
+        if self._reply is None and (start := _REPLY_START.match(self._text)):
+            self._reply = start.end()
+        return [] if self._reply is None else self._decode_reply()
+
+    def finish(self) -> list[dict]:
+        if self._reply is not None:
+            return self._decode_reply()
+        calls = self._calls(_json(self._text))
+        if calls is None:
+            return [{"content": self._text}] if self._text else []
+        return [e for name, args in calls
+                for e in _add_call(self.calls, self._rid, name, args, None)]
+
+    def _decode_reply(self) -> list[dict]:
+        if self._replied:
+            return []
+        assert self._reply is not None, "no reply to decode"
+        length, self._replied = _reply_end(self._text[self._reply:])
+        text = json.loads('"' + self._text[self._reply:self._reply + length] + '"', strict=False)
+        self._reply += length
+        text = _LONE_SURROGATE.sub("\ufffd", text)  # not encodable; the grammar may allow them
+        return [{"content": text}] if text else []
+
+    def _calls(self, obj: Any) -> list[tuple[str, dict]] | None:
+        calls = obj.get("tool_calls") if isinstance(obj, dict) and len(obj) == 1 else None
+        if not isinstance(calls, list) or not calls:
+            return None
+        if not all(isinstance(c, dict) and set(c) == {"name", "arguments"}
+                   and c["name"] in self._names and isinstance(c["arguments"], dict)
+                   for c in calls):
+            return None
+        return [(c["name"], c["arguments"]) for c in calls]
+
+
+def tool_parser(family: str, tools: list[dict], rid: str
+                ) -> StreamingToolParser | GenericToolParser:
+    """The incremental parser of `family`'s output (a key of FORMATS, or GENERIC)."""
+    if family == GENERIC:
+        return GenericToolParser(tools, rid)
+    return StreamingToolParser(family, tools, rid)
+
+
 def parse_tool_calls(text: str, family: str, tools: list[dict], rid: str
                      ) -> tuple[str | None, list[ToolCall]]:
     """A whole output's content (None when it has calls and nothing else) and its calls."""
-    parser = StreamingToolParser(family, tools, rid)
+    parser = tool_parser(family, tools, rid)
     events = parser.feed(text) + parser.finish()
     content = "".join(e.get("content", "") for e in events)
     return (content or None) if parser.calls else content, parser.calls

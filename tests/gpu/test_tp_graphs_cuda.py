@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
+from flashtree.bench.server_process import free_port
 from flashtree.distributed import destroy_tp, init_tp, one_shot_all_reduce
 from flashtree.distributed.one_shot import BUFFER_BYTES
 from flashtree.graphs.runner import capture_graph
 from tests.helpers import run_ranks
-from tests.server.conftest import _free_port
 from tests.tiny import TINY_PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -36,7 +36,7 @@ PARAMS = [SamplingParams(temperature=t, max_tokens=32, ignore_eos=True, seed=5)
 @pytest.fixture
 def group_of_one():
     device = torch.device("cuda", 0)
-    init_tp(0, 1, "nccl", f"tcp://127.0.0.1:{_free_port()}", device=device)
+    init_tp(0, 1, "nccl", f"tcp://127.0.0.1:{free_port()}", device=device)
     try:
         yield device
     finally:
@@ -70,7 +70,7 @@ def test_group_of_one_graphs_equal_eager_and_no_group(small_pair, spec):
         return out
 
     want = tokens()
-    init_tp(0, 1, "nccl", f"tcp://127.0.0.1:{_free_port()}", device=torch.device("cuda", 0))
+    init_tp(0, 1, "nccl", f"tcp://127.0.0.1:{free_port()}", device=torch.device("cuda", 0))
     try:
         # One rank measures NCCL as free; send every all-reduce one-shot to test it in graphs.
         one_shot_all_reduce().max_bytes = BUFFER_BYTES

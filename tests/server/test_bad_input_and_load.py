@@ -35,7 +35,6 @@ BAD = [
                          "max_completion_tokens": 5}, 400, "disagree; give one of them"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_completion_tokens": 1000}, 400,
      "limit"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "temprature": 0.5}, 400, "temprature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),

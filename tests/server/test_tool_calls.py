@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jinja2.exceptions import UndefinedError
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from flashtree.server.protocol import ChatMessage
@@ -24,6 +23,7 @@ from flashtree.server.tool_calls import (
     parse_tool_calls,
     tools_for_template,
 )
+from flashtree.server.tool_use import render_first, template_forms
 
 TOOLS = [
     {"type": "function", "function": {
@@ -384,17 +384,12 @@ def test_published_template_renders_the_documented_tool_format(family):
         pos = found + len(marker)
 
 
-@pytest.mark.parametrize("family", [
-    *[f for f in FAMILY_TEMPLATES if f != "deepseek_v3"],
-    pytest.param("deepseek_v3", marks=pytest.mark.xfail(strict=True, raises=UndefinedError, reason=(
-        "for_template drops an assistant turn's null content and turns its arguments into an "
-        "object; DeepSeek V3's template tests `content is none` and joins arguments as text"))),
-])
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
 def test_server_messages_render_as_the_template_documents(family):
-    """The server's view of an OpenAI conversation (`ChatMessage.for_template`) renders exactly
-    as the conversation in the form the family's template takes."""
-    shown = [ChatMessage(**m).for_template() for m in _conversation(family, openai=True)]
-    assert (_render(family, shown, generation_prompt=True)
+    """The server's rendering of an OpenAI conversation (`template_forms`, tried in order by
+    `render_first`) is exactly the conversation in the form the family's template takes."""
+    forms = template_forms([ChatMessage(**m) for m in _conversation(family, openai=True)])
+    assert (render_first(forms, lambda shown: _render(family, shown, generation_prompt=True))
             == _render(family, _conversation(family), generation_prompt=True))
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch.distributed as dist
 
 from flashtree import LLM, SamplingParams
+from flashtree.bench.server_process import free_port
 from flashtree.distributed import destroy_tp, init_tp, tp_group_active
-from tests.server.conftest import _free_port
 from tests.tiny import TINY_PROMPTS
 
 
@@ -26,7 +26,7 @@ def test_group_of_one_equals_no_group(small_pair, spec, monkeypatch):
     all_reduce, calls = dist.all_reduce, []
     monkeypatch.setattr(dist, "all_reduce",
                         lambda t, *a, **k: calls.append(t.shape) or all_reduce(t, *a, **k))
-    init_tp(0, 1, "gloo", f"tcp://127.0.0.1:{_free_port()}")
+    init_tp(0, 1, "gloo", f"tcp://127.0.0.1:{free_port()}")
     try:
         assert tp_group_active()
         llm = LLM(**kw)

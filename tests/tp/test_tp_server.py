@@ -1,7 +1,7 @@
 """`flashtree serve --tp 2`: a real server whose model is split over two gloo ranks answers the
 openai client with plain decoding's greedy tokens (computed here by `LLM` in one process), and
-when its worker is killed it fails the request with a 500 naming the dead rank, and exits with
-status 1 instead of hanging."""
+when its worker is killed it fails the request with a 500 whose request id the log ties to the
+dead rank, and exits with status 1 instead of hanging."""
 
 from __future__ import annotations
 
@@ -32,11 +32,12 @@ def _plain_reply(model: Path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-def test_tp2_server_serves_then_reports_a_dead_worker(tiny_chat_model):
+def test_tp2_server_serves_then_reports_a_dead_worker(tiny_chat_model, tmp_path):
     import openai
 
     want = _plain_reply(tiny_chat_model[0])
-    base, proc = start_server(*tiny_chat_model, extra=("--tp", "2"))
+    log = tmp_path / "server.log"
+    base, proc = start_server(*tiny_chat_model, extra=("--tp", "2"), log=log)
     try:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
         reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
@@ -50,11 +51,13 @@ def test_tp2_server_serves_then_reports_a_dead_worker(tiny_chat_model):
         subprocess.run(["kill", "-9", str(workers[0])], check=True)
         with pytest.raises(openai.InternalServerError) as failed:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8)
-        out, _ = proc.communicate(timeout=90)
+        proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
     died = f"tensor-parallel worker rank 1 (pid {workers[0]}) died"
-    assert failed.value.status_code == 500 and died in failed.value.body["message"]
+    request_id = failed.value.response.headers["x-request-id"]
+    assert failed.value.status_code == 500 and request_id in failed.value.body["message"]
     assert proc.returncode == 1
-    assert died in out
+    out = log.read_text()
+    assert f"request {request_id} failed in the engine" in out and died in out
