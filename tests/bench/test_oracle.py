@@ -1,11 +1,14 @@
 """The acceptance oracle: it ranks the target's next token where asked and leaves every other
 logit alone; with it a DFlash chain accepts 1 + sum_{i<B} p^i tokens per step (the analytic
-value, within sampling error), and speculative outputs still equal plain decoding."""
+value, within sampling error), also when plain steps come between speculative ones as the
+adaptive policy puts them, and speculative outputs still equal plain decoding."""
 
 from __future__ import annotations
 
 import json
 import math
+import random
+import statistics
 import subprocess
 import sys
 
@@ -96,6 +99,68 @@ def test_chain_acceptance_is_the_analytic_value_and_tokens_equal_plain(small_pai
     expected = sum(accept)
     variance = sum((2 * i + 1) * a for i, a in enumerate(accept)) - expected**2
     assert abs(mean - expected) < 4 * math.sqrt(variance / len(lengths)), (mean, expected)
+
+
+class _Switching:
+    """Speculates or decodes plainly at seeded random, so that the engine switches between
+    them far more often than the adaptive policy does (whose choice is only that: the budget
+    or 0); remembers what each decode step ran."""
+
+    def __init__(self, budget: int, plain_share: float, seed: int) -> None:
+        self.budget, self.plain_share, self.rng = budget, plain_share, random.Random(seed)
+        self.speculated: list[bool] = []
+
+    def plan(self, requests: int) -> int:
+        return 0 if self.rng.random() < self.plain_share else self.budget
+
+    def observe(self, result) -> None:
+        self.speculated.append(result.speculative)
+
+
+def _speculative_lengths(llm: LLM, params: SamplingParams, references, policy=None
+                         ) -> list[int]:
+    """Tokens committed by each speculative step over PROMPTS run one after another (one
+    request a step, so each decode step is one entry of its request's accept lengths),
+    checked equal to plain decoding; a request's last 4 steps left out (max_tokens cuts
+    their blocks short)."""
+    lengths = []
+    for prompt in PROMPTS:
+        before = len(policy.speculated) if policy else 0
+        out = llm.generate([prompt], params)[0].outputs[0]
+        assert list(prompt) + list(out.token_ids) == references[tuple(prompt)]
+        kinds = policy.speculated[before:] if policy else [True] * len(out.spec_accept_lengths)
+        assert len(kinds) == len(out.spec_accept_lengths)
+        lengths += [n for n, spec in list(zip(out.spec_accept_lengths, kinds))[:-4] if spec]
+    return lengths
+
+
+def test_plain_steps_between_speculative_ones_leave_chain_acceptance_unbiased(small_pair):
+    p = 0.8
+    llm = _llm(small_pair, "dflash")
+    params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+    references = plain_references(llm, PROMPTS, params)
+    AcceptanceOracle(llm, references, p, seed=3)
+    policy = llm.engine.policy = _Switching(BLOCK - 1, plain_share=0.4, seed=4)
+    lengths = _speculative_lengths(llm, params, references, policy)
+    switches = sum(a != b for a, b in zip(policy.speculated, policy.speculated[1:]))
+    assert switches > 100 and len(lengths) > 100, (switches, len(lengths))
+    accept = [p**i for i in range(BLOCK)]
+    expected = sum(accept)
+    variance = sum((2 * i + 1) * a for i, a in enumerate(accept)) - expected**2
+    assert abs(statistics.mean(lengths) - expected) < 4 * math.sqrt(variance / len(lengths))
+
+
+def test_plain_steps_between_speculative_ones_leave_tree_acceptance_unbiased(small_pair):
+    llm = _llm(small_pair, "ddtree")
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    references = plain_references(llm, PROMPTS, params)
+    AcceptanceOracle(llm, references, 0.5, q=0.9, seed=5)
+    fixed = _speculative_lengths(llm, params, references)
+    policy = llm.engine.policy = _Switching(llm.engine.policy.budget, plain_share=0.4, seed=6)
+    switching = _speculative_lengths(llm, params, references, policy)
+    assert len(switching) > 100
+    error = math.hypot(*(statistics.stdev(x) / math.sqrt(len(x)) for x in (fixed, switching)))
+    assert abs(statistics.mean(switching) - statistics.mean(fixed)) < 4 * error
 
 
 def test_ddtree_with_second_choices_accepts_more_and_tokens_equal_plain(small_pair):
