@@ -187,7 +187,7 @@ def run_ranks(fn, nprocs: int = 2) -> dict:
     free for a tcp:// group, `out` a shared dict) and return what they put in `out`."""
     import torch.multiprocessing as mp
 
-    from flashtree.bench.server_process import free_port
+    from flashtree.distributed.tp import free_port
 
     with mp.Manager() as manager:
         out = manager.dict()

@@ -4,7 +4,6 @@ port: for the serving benchmarks and the server tests."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,12 +12,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    """A loopback port free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from flashtree.distributed.tp import free_port
 
 
 def launch(model: str, log: Path, *flags: str, env: Mapping[str, str] | None = None,

@@ -29,7 +29,8 @@ class WorkerDied(TPGroupStopped):
     """A worker process of the group is gone; the message names its rank."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free now (for a process group's rendezvous or a server)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -64,7 +65,7 @@ class TPGroup:
                 sys.exit(0)
             init_tp(0, size, backend, "env://", device=device)
             return TPGroup(size)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_worker_main, args=(rank, rank, size, backend, init_method,
                                                         build_engine, engine_kwargs), daemon=True,

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.bench.server_process import free_port
 from flashtree.distributed import destroy_tp, init_tp, one_shot_all_reduce
 from flashtree.distributed.one_shot import BUFFER_BYTES
+from flashtree.distributed.tp import free_port
 from flashtree.graphs.runner import capture_graph
 from tests.helpers import run_ranks
 from tests.tiny import TINY_PROMPTS

@@ -8,8 +8,8 @@ import pytest
 import torch.distributed as dist
 
 from flashtree import LLM, SamplingParams
-from flashtree.bench.server_process import free_port
 from flashtree.distributed import destroy_tp, init_tp, tp_group_active
+from flashtree.distributed.tp import free_port
 from tests.tiny import TINY_PROMPTS
 
 

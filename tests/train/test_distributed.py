@@ -6,7 +6,6 @@ it saved)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flashtree.distributed.tp import free_port
 from flashtree.train import distributed
 from flashtree.train.drafter import load_examples
 from tests.train.test_train_cli import _train
@@ -21,12 +21,6 @@ from tests.train.trained_drafter_checks import (
     assert_reference_gives_our_block_logits,
     held_out_losses,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, results) -> None:
@@ -58,7 +52,7 @@ def test_ranks_average_gradients_and_agree():
     world = 2
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main, args=(world, _free_port(), results), nprocs=world)
+        mp.spawn(_rank_main, args=(world, free_port(), results), nprocs=world)
         results = dict(results)
     mean_factor = sum(r + 1 for r in range(world)) / world  # grads scale with rank + 1
     for rank in range(world):
@@ -78,7 +72,7 @@ def test_torchrun_trains_one_drafter_on_two_processes(tmp_path, hf_gguf_model):
            "--data", str(data))
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(_free_port()), "-m", "flashtree", "train-drafter",
+         "--master_port", str(free_port()), "-m", "flashtree", "train-drafter",
          "--target", "default", "--layers", "1", "--batch-size", "2", "--anchors", "4",
          "--steps", "3", "--log-every", "1", "--device", "cpu", "--data", str(data),
          "--out", str(tmp_path / "drafter")],
