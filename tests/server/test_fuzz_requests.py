@@ -118,20 +118,27 @@ def _number(body: dict, *names: str) -> int | None:
     return int(given[0]) if given else None
 
 
+def _check_chunks(r: httpx.Response, choices: int, validate) -> None:
+    """A stream of chunks ending in [DONE], none an error, each accepted by `validate` (the
+    SDK's type), every choice index below `choices`."""
+    events = _events(r)
+    assert events[-1] == "[DONE]", events[-3:]
+    for event in events[:-1]:
+        chunk = json.loads(event)
+        assert "error" not in chunk, chunk
+        validate(chunk)
+        assert all(0 <= c["index"] < choices for c in chunk["choices"]), chunk
+
+
 def _check_completion(body: dict, r: httpx.Response) -> None:
     prompts, n = _prompts(body), _number(body, "n") or 1
     limit = _number(body, "max_tokens", "max_completion_tokens") or 16
     if body.get("stream"):
-        events = _events(r)
-        assert events[-1] == "[DONE]", events[-3:]
-        for event in events[:-1]:
-            chunk = json.loads(event)
-            assert "error" not in chunk, chunk
-            # The SDK reads chunks as `Completion`, whose finish_reason is never null, while
-            # OpenAI's chunks carry null until the last.
-            Completion.model_validate({**chunk, "choices": [
-                {**c, "finish_reason": c["finish_reason"] or "stop"} for c in chunk["choices"]]})
-            assert all(0 <= c["index"] < len(prompts) * n for c in chunk["choices"]), chunk
+        # The SDK reads chunks as `Completion`, whose finish_reason is never null, while
+        # OpenAI's chunks carry null until the last.
+        _check_chunks(r, len(prompts) * n, lambda chunk: Completion.model_validate(
+            {**chunk, "choices": [{**c, "finish_reason": c["finish_reason"] or "stop"}
+                                  for c in chunk["choices"]]}))
         return
     data = r.json()
     Completion.model_validate(data)
@@ -149,13 +156,7 @@ def _check_completion(body: dict, r: httpx.Response) -> None:
 def _check_chat(body: dict, r: httpx.Response) -> None:
     n, limit = _number(body, "n") or 1, _number(body, "max_tokens", "max_completion_tokens")
     if body.get("stream"):
-        events = _events(r)
-        assert events[-1] == "[DONE]", events[-3:]
-        for event in events[:-1]:
-            chunk = json.loads(event)
-            assert "error" not in chunk, chunk
-            ChatCompletionChunk.model_validate(chunk)
-            assert all(0 <= c["index"] < n for c in chunk["choices"]), chunk
+        _check_chunks(r, n, ChatCompletionChunk.model_validate)
         return
     data = r.json()
     ChatCompletion.model_validate(data)

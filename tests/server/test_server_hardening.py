@@ -23,6 +23,7 @@ from flashtree.cli import build_parser, configure_server_logging
 from flashtree.engine.async_engine import STOP_TIMEOUT, Delta
 from flashtree.server.app import UVICORN_GRACE, ServerConfig, ServerState, build_app
 from flashtree.server.protocol import CompletionRequest
+from tests.server.conftest import openai_error
 
 CONTEXT = 256
 UNIT = Path(__file__).parents[2] / "deploy" / "flashtree.service"
@@ -173,11 +174,6 @@ def test_engine_failures_name_the_request_id_not_the_detail(tokenizer, caplog):
             in caplog.text, caplog.text
 
 
-def _error(r: httpx.Response) -> dict:
-    assert r.status_code == 400, r.text
-    return r.json()["error"]
-
-
 def test_a_conversation_too_long_by_its_length_alone_is_refused_before_rendering(
         tokenizer, monkeypatch):
     app, _ = _app(tokenizer, [HELLO])
@@ -187,9 +183,9 @@ def test_a_conversation_too_long_by_its_length_alone_is_refused_before_rendering
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", render)
     huge = "word " * 20000  # 100 kB: its length alone proves it over the context
-    chat = _error(_post(app, "/v1/chat/completions",
-                        {**CHAT, "messages": [{"role": "user", "content": huge}]}))
-    response = _error(_post(app, "/v1/responses", {"model": "m", "input": huge}))
+    chat = openai_error(_post(app, "/v1/chat/completions",
+                              {**CHAT, "messages": [{"role": "user", "content": huge}]}), 400)
+    response = openai_error(_post(app, "/v1/responses", {"model": "m", "input": huge}), 400)
     for error, param in ((chat, "messages"), (response, "input")):
         assert (error["param"], error["code"]) == (param, "context_length_exceeded"), error
         assert re.search(rf"at least \d+ tokens; .*context \(max_model_len\) is {CONTEXT}",
@@ -208,7 +204,7 @@ def test_a_template_that_fails_names_the_conversation_field(tokenizer, monkeypat
         raise ValueError("the template refuses this")
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", render)
-    error = _error(_post(app, path, body))
+    error = openai_error(_post(app, path, body), 400)
     assert error["param"] == param and "refuses this" in error["message"], error
 
 
@@ -222,16 +218,16 @@ def test_a_request_the_kv_cache_cannot_hold_names_its_token_limit(tokenizer, pat
     refusal = ValueError("request needs 9000 tokens of KV cache (prompt, max_tokens and 0 "
                          "speculative) but the pool holds only 64; lower max_tokens")
     app, _ = _app(tokenizer, [refusal])
-    assert _error(_post(app, path, body))["param"] == param
+    assert openai_error(_post(app, path, body), 400)["param"] == param
 
 
 def test_stop_token_ids_outside_the_vocabulary_name_the_entry(tokenizer):
     """As the request's validation names a negative id (`stop_token_ids.0`)."""
     app, _ = _app(tokenizer, [HELLO])
     body = {"model": "m", "prompt": "Hi", "stop_token_ids": [3, 10**9, 10**9 + 1]}
-    error = _error(_post(app, "/v1/completions", body))
+    error = openai_error(_post(app, "/v1/completions", body), 400)
     assert error["param"] == "stop_token_ids.1" and "1000000000" in error["message"], error
-    negative = _error(_post(app, "/v1/completions", {**body, "stop_token_ids": [-1]}))
+    negative = openai_error(_post(app, "/v1/completions", {**body, "stop_token_ids": [-1]}), 400)
     assert negative["param"] == "stop_token_ids.0", negative
 
 
