@@ -11,16 +11,38 @@ current token's embedding (unit-variance embeddings, small output projections) a
 is the embedding table in a random order: the next token is the permutation's image of the
 current one, with a top-2 logit gap of about `hidden_size` against noise of a few units
 (`top2_gaps` measures it). Every matrix keeps its real shape, so every kernel costs what it
-costs on the real model; attention, MLPs and the drafter all run on real data."""
+costs on the real model; attention, MLPs and the drafter all run on real data. Routed experts
+may be packed INT4 (`int4_group`, as Kimi K2.6 ships them): random nibbles, scales giving the
+dequantized weights the std of the float rule.
+
+One rank's share of a TP / EP layout (`rank_share`, `random_rank`, `rank_llm`): a group of one
+process builds the rank's shard of the target and drafter and serves it as a one-process engine
+that launches the rank's kernels and collectives (`distributed.init_rank_share`). Its logits are
+its vocabulary slice; the layers' partial sums are not completed by the absent ranks, which the
+decisive construction does not need: it reads only the token's own embedding row."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from flashtree.bench.shapes import QWEN3_8B, SHAPES, TINY  # noqa: F401  (importable here)
+from flashtree.bench.shapes import (  # noqa: F401  (importable here)
+    DRAFTERS,
+    INT4_GROUPS,
+    QWEN3_8B,
+    SHAPES,
+    TINY,
+    with_layers,
+)
+from flashtree.distributed import destroy_tp, get_ep_size, init_rank_share, set_ep_size
+from flashtree.distributed.tp import free_port
+from flashtree.llm import LLM
 from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashConfig, DFlashDraftModel
 from flashtree.models.llama import DecoderModel
@@ -36,27 +58,45 @@ _INPUT_STD = 0.02
 _TARGET_RESIDUAL_SCALE = 0.05
 _DRAFTER_RESIDUAL_SCALE = 20.0
 _SHARD_BYTES = 4e9  # checkpoint shards of at most this size, as released checkpoints have
+# RMS of an INT4 value, uniform over -8..7 (about 4.64): a scale of std / _INT4_RMS gives the
+# dequantized weights the mean square of N(0, std^2).
+_INT4_RMS = (sum(v * v for v in range(-8, 8)) / 16) ** 0.5
+# (layers, block size) of each shape's drafter where the seeds' differs from random_drafter's
+# defaults: Kimi K2.6's, 6 bf16 layers at the target's width (about 6.5 GB whole), blocks of 8.
+DRAFTER_LAYOUT = {"kimi-k2.6": (6, 8)}
 
 
-def _random(name: str, shape: torch.Size, gen: torch.Generator, residual_scale: float
-            ) -> torch.Tensor:
-    """The value of tensor `name`: norms (and other vectors) 1, output projections
-    N(0, residual_scale^2 / fan_in), every other matrix N(0, 0.02^2); on the generator's
-    device, float32."""
+def _std(name: str, fan_in: int, residual_scale: float) -> float:
+    """Output projections N(0, residual_scale^2 / fan_in), every other matrix N(0, 0.02^2)."""
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return residual_scale / fan_in ** 0.5
+    return _INPUT_STD
+
+
+def _random(name: str, shape: torch.Size, gen: torch.Generator, residual_scale: float,
+            int4_group: int = 0) -> torch.Tensor:
+    """The value of tensor `name`: norms (and other vectors) 1, matrices as `_std` says; on the
+    generator's device, float32. Packed INT4 experts (`int4_group`): `weight_packed` random
+    int32 words (every nibble a valid value), `weight_scale` [out, in / group] the constant
+    giving the weight `_std`'s mean square (fan_in: the `in` it unpacks to)."""
+    if name.endswith("weight_packed"):
+        return torch.randint(-2**31, 2**31, shape, generator=gen, device=gen.device,
+                             dtype=torch.int32)
+    if name.endswith("weight_scale") and int4_group:
+        std = _std(name.removesuffix("_scale"), shape[-1] * int4_group, residual_scale)
+        return torch.full(shape, std / _INT4_RMS, device=gen.device)
     if len(shape) == 1:
         return torch.ones(shape, device=gen.device)
-    std = _INPUT_STD
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        std = residual_scale / shape[-1] ** 0.5
-    return torch.randn(shape, generator=gen, device=gen.device) * std
+    return torch.randn(shape, generator=gen, device=gen.device) * _std(name, shape[-1],
+                                                                       residual_scale)
 
 
 def _fill(module: torch.nn.Module, gen: torch.Generator, residual_scale: float,
-          skip: tuple[str, ...] = ()) -> None:
+          skip: tuple[str, ...] = (), int4_group: int = 0) -> None:
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if not name.startswith(skip):
-                p.copy_(_random(name, p.shape, gen, residual_scale))
+            if not name.startswith(skip) and not name.endswith("weight_shape"):  # kept as built
+                p.copy_(_random(name, p.shape, gen, residual_scale, int4_group))
 
 
 def _decisive_head(emb: torch.Tensor, head: torch.Tensor, gen: torch.Generator) -> None:
@@ -68,17 +108,52 @@ def _decisive_head(emb: torch.Tensor, head: torch.Tensor, gen: torch.Generator) 
         head.copy_(emb[order])
 
 
-def random_target(shape: dict, dtype: torch.dtype, device: torch.device | str, seed: int = 1
-                  ) -> tuple[DecoderModel, ModelConfig]:
+def _int4_quantization(group: int) -> dict:
+    """A compressed-tensors quantization_config as Kimi K2.6's: routed experts' linears INT4,
+    symmetric, one scale per `group` inputs; the rest unquantized."""
+    weights = dict(num_bits=4, group_size=group, symmetric=True, type="int", strategy="group")
+    return dict(quant_method="compressed-tensors", format="pack-quantized",
+                config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
+                ignore=["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                        "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"])
+
+
+def _build(make, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+    """`make()` on `device`, then in `dtype`. Floating tensors are made in `dtype` directly
+    (the default dtype while it runs), so a large model never exists in float32 too; what
+    must stay float32 (routers, rotary frequencies) says so itself."""
+    old = torch.get_default_dtype()
+    if dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            module = make()
+    finally:
+        torch.set_default_dtype(old)
+    return module.to(dtype)
+
+
+def random_target(shape: dict, dtype: torch.dtype, device: torch.device | str, seed: int = 1,
+                  int4_group: int = 0) -> tuple[DecoderModel, ModelConfig]:
     """A decisive target of `shape` (a config dict, e.g. QWEN3_8B; Qwen3 unless it names its
-    architecture), its MoE experts stacked as after a load."""
-    cfg = ModelConfig.from_hf({**_COMMON, **shape})
+    architecture), its MoE experts stacked as after a load. `int4_group`: routed experts packed
+    INT4 with a scale per that many inputs, the config saying so as a loaded compressed-tensors
+    checkpoint's does. Built as this process's TP rank (its shard under a group)."""
+    hf = {**_COMMON, **shape}
+    if int4_group:
+        hf["quantization_config"] = _int4_quantization(int4_group)
+    cfg = ModelConfig.from_hf(hf)
+    if int4_group:
+        if cfg.moe is None:
+            raise ValueError("int4_group needs a shape with routed experts")
+        cfg = replace(cfg, moe=replace(cfg.moe, int4_group=int4_group))
     gen = torch.Generator(device).manual_seed(seed)
-    with torch.device(device):
-        model = model_class(cfg)(cfg)
-    model.to(dtype)
-    _fill(model, gen, _TARGET_RESIDUAL_SCALE, skip=("embed_tokens", "lm_head"))
-    _decisive_head(model.embed_tokens.weight, model.lm_head.weight, gen)
+    model = _build(lambda: model_class(cfg)(cfg), dtype, device)
+    _fill(model, gen, _TARGET_RESIDUAL_SCALE, skip=("embed_tokens", "lm_head"),
+          int4_group=int4_group)
+    emb = model.embed_tokens
+    rows = emb.vocab_end - emb.vocab_start  # this rank's real ids (not the last slice's pad)
+    _decisive_head(emb.weight[:rows], model.lm_head.weight[:rows], gen)
     model.weights_loaded()
     return model.eval(), cfg
 
@@ -102,13 +177,68 @@ def random_drafter(target_cfg: ModelConfig, shape: dict, dtype: torch.dtype,
     holds 65-75% of the mass, a confident drafter's guess)."""
     cfg = DFlashConfig.from_hf(_drafter_config(target_cfg.num_layers, shape, layers, block_size))
     gen = torch.Generator(device).manual_seed(seed)
-    with torch.device(device):
-        drafter = DFlashDraftModel(cfg)
-    drafter.to(dtype)
+    drafter = _build(lambda: DFlashDraftModel(cfg), dtype, device)
     _fill(drafter, gen, _DRAFTER_RESIDUAL_SCALE)
     with torch.no_grad():  # unit-variance LM head rows: logits ~ N(0, (norm * sqrt(hidden))^2)
         drafter.norm.weight.fill_(logit_std / target_cfg.hidden_size ** 0.5)
     return drafter.eval()
+
+
+def parse_layout(layout: str) -> tuple[int, int]:
+    """'tp8' -> (8, 1): TP, experts sliced over all 8; 'ep8' -> (8, 8): whole experts, 1/8 of
+    them per rank; 'tp8ep2' -> (8, 2) (SGLang's --tp 8 --ep 2)."""
+    m = re.fullmatch(r"(tp|ep)(\d+)(?:ep(\d+))?", layout)
+    if m is None or (m[1] == "ep" and m[3]):
+        raise ValueError(f"layout {layout!r}: expected tpN, epN or tpNepM")
+    n = int(m[2])
+    return n, (n if m[1] == "ep" else int(m[3] or 1))
+
+
+@contextmanager
+def rank_share(layout: str, device: torch.device | str = "cpu", rank: int = 0
+               ) -> Iterator[tuple[int, int]]:
+    """Within: this process is rank `rank`'s share of `layout` ((tp, ep) yielded), in a real
+    group of one (gloo on the CPU; NCCL on a GPU, with the one-shot all-reduce for the sizes
+    where its calibration over the group of one picks it); models built inside are that
+    rank's shard. Rank 0 (the default) is the one to time: its vocab slice starts at id 0, so
+    whole-vocabulary logits (graph replay, sampling) name the right ids; other ranks decode
+    correctly only greedy and eager."""
+    tp, ep = parse_layout(layout)
+    device = torch.device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    init_rank_share(tp, ep, backend, f"tcp://127.0.0.1:{free_port()}", rank,
+                    device=device if backend == "nccl" else None)
+    try:
+        yield tp, ep
+    finally:
+        destroy_tp()
+
+
+def random_rank(name: str, dtype: torch.dtype, device: torch.device | str,
+                layers: int | None = None, int4_group: int | None = None, seed: int = 1,
+                **overrides) -> tuple[DecoderModel, ModelConfig, DFlashDraftModel]:
+    """(target, its config, drafter) of shape `name` (shapes.SHAPES, with `overrides` and cut
+    to `layers` decoder layers), built as this process's rank: one rank's share inside
+    `rank_share`. Routed experts INT4 as `INT4_GROUPS` has them unless `int4_group` says; the
+    drafter DRAFTERS[name] with DRAFTER_LAYOUT's layers and block size (else 5 and 16)."""
+    shape = with_layers({**SHAPES[name], **overrides}, layers)
+    group = INT4_GROUPS.get(name, 0) if int4_group is None else int4_group
+    target, cfg = random_target(shape, dtype, device, seed, int4_group=group)
+    draft_layers, block = DRAFTER_LAYOUT.get(name, (5, 16))
+    drafter = random_drafter(cfg, DRAFTERS[name], dtype, device, layers=draft_layers,
+                             block_size=block, seed=seed + 1)
+    return target, cfg, drafter
+
+
+def rank_llm(target: DecoderModel, cfg: ModelConfig, drafter: DFlashDraftModel | None = None,
+             **options) -> LLM:
+    """`LLM.from_modules` over a rank's share (`random_rank` inside `rank_share`): the engine
+    of one TP rank, token ids in its vocab slice. `options`: LLM's arguments."""
+    ep = get_ep_size()
+    try:  # a TP member: the engine runs on the shard this process built, no workers
+        return LLM.from_modules(target, cfg, drafter, _tp_member=True, **options)
+    finally:
+        set_ep_size(ep)  # LLM() sets its own (1); the share's stays what the layers were built for
 
 
 def top2_gaps(logits: torch.Tensor) -> torch.Tensor:

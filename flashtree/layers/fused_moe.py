@@ -1,16 +1,20 @@
 """Routed experts in two grouped GEMMs with no host sync, so a MoE step can replay a CUDA graph.
 
-The (token, slot) pairs a router chose are grouped by expert on the device, each expert's run
-padded to a multiple of BLOCK_M (`layers/moe_align.py`). One Triton program then multiplies a
-BLOCK_M-row block of one expert's pairs by a BLOCK_N slice of that expert's weights: gate and
-up together with SiLU-and-multiply fused, then down with the routing weight fused; the top-k
-partial outputs of each token are summed last. Rounding follows the eager path
+A program multiplies a block of BLOCK_M (token, slot) pairs of one expert by a BLOCK_N slice of
+that expert's weights: gate and up together with SiLU-and-multiply fused, then down with the
+routing weight fused; the top-k partial outputs of each token are summed last. At few pairs
+(decode, small verifies) each pair is a block of its own, read straight from the router's ids
+with no grouping launch; past that the pairs are grouped by expert on the device
+(`layers/moe_align.py`), each expert's run padded to BLOCK_M. Where the pairs touch too few
+experts to fill the GPU, gate/up splits its input dim over programs that write float32 partial
+sums, which one small kernel adds up under SiLU. Rounding follows the eager path
 (`layers/moe.py`): the projections and SiLU round to the activation dtype where its ops do, so
 results differ from it only in summation order. Used for CUDA tensors (`SparseMoE` chooses);
 TRITON_INTERPRET=1 runs it on CPU tensors in tests."""
 
 from __future__ import annotations
 
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -19,6 +23,8 @@ import triton.language as tl
 
 from flashtree.layers.moe_align import BLOCK_M, align_by_expert
 from flashtree.layers.stacked_experts import StackedExperts
+
+PER_PAIR_MAX = 64  # at most this many pairs: a block per pair, no grouping launch
 
 
 @triton.jit
@@ -60,53 +66,95 @@ def _dot_tile(acc, a_rows, a_ok, w, s, rows, rows_ok, k0, k_total, stride_wn, st
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, num_pairs, top_k,
-                    hidden, inter, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
-                    stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    # out[pair, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for a block of pairs.
+def _block_pairs(pairs_ptr, experts_ptr, local_ptr, num_pairs, num_experts,
+                 BLOCK_M: tl.constexpr, PER_PAIR: tl.constexpr):
+    # (pair ids [BLOCK_M], which are real, this block's expert; -1: nothing to do)
     block = tl.program_id(0)
-    expert = tl.load(experts_ptr + block)
+    if PER_PAIR:
+        pairs = block + tl.arange(0, BLOCK_M)
+        rows_ok = (tl.arange(0, BLOCK_M) == 0) & (block < num_pairs)
+        expert = tl.load(local_ptr + block).to(tl.int32)
+        expert = tl.where(expert < num_experts, expert, -1)
+    else:
+        pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        rows_ok = pairs < num_pairs
+        expert = tl.load(experts_ptr + block)
+    return tl.where(rows_ok, pairs, 0), rows_ok, expert
+
+
+@triton.jit
+def _silu_mul(gate, up, dtype):
+    # silu(gate) * up from float32 sums, rounded to `dtype` where the eager ops round.
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (silu * up.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, local_ptr, num_pairs,
+                    num_experts, top_k, hidden, inter, k_per_split, stride_xt, stride_we,
+                    stride_wn, stride_se, stride_sn, stride_os, stride_ot,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                    PER_PAIR: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    # out[pair, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for a block of pairs;
+    # with SPLIT, this split's share of the input dim: out[split, pair, n] = x . gate[e, n]
+    # and out[split, pair, inter + n] = x . up[e, n], in float32.
+    pairs, rows_ok, expert = _block_pairs(pairs_ptr, experts_ptr, local_ptr, num_pairs,
+                                          num_experts, BLOCK_M, PER_PAIR)
     if expert < 0:
         return
-    pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    rows_ok = pairs < num_pairs
-    a_rows = x_ptr + tl.where(rows_ok, pairs // top_k, 0) * stride_xt
+    a_rows = x_ptr + (pairs // top_k) * stride_xt
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < inter
     w = w_ptr + expert.to(tl.int64) * stride_we
     sc = s_ptr + expert.to(tl.int64) * stride_se
-    dtype = out_ptr.dtype.element_ty
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    k_start = tl.program_id(2) * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, hidden), BLOCK_K):
         gate = _dot_tile(gate, a_rows, rows_ok, w, sc, cols, cols_ok, k0, hidden, stride_wn,
                          stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION)
         up = _dot_tile(up, a_rows, rows_ok, w, sc, inter + cols, cols_ok, k0, hidden,
                        stride_wn, stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION)
-    g = gate.to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
-    tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], act,
-             mask=rows_ok[:, None] & cols_ok[None, :])
+    out = out_ptr + tl.program_id(2) * stride_os + pairs[:, None] * stride_ot + cols[None, :]
+    ok = rows_ok[:, None] & cols_ok[None, :]
+    if SPLIT:
+        tl.store(out, gate, mask=ok)
+        tl.store(out + inter, up, mask=ok)
+    else:
+        tl.store(out, _silu_mul(gate, up, out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts_ptr, num_pairs,
-                 hidden, inter, stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_ot,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-                 PRECISION: tl.constexpr):
+def _split_activation_kernel(part_ptr, act_ptr, splits, inter, stride_ps, stride_pt,
+                             stride_at, BLOCK: tl.constexpr):
+    # act[pair, n] = silu(sum over splits of gate) * (sum of up), for one pair's columns.
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    p = part_ptr + pair * stride_pt + cols
+    gate = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(splits):
+        gate += tl.load(p + split * stride_ps, mask=ok, other=0.0)
+        up += tl.load(p + split * stride_ps + inter, mask=ok, other=0.0)
+    tl.store(act_ptr + pair * stride_at + cols, _silu_mul(gate, up, act_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts_ptr, local_ptr,
+                 num_pairs, num_experts, hidden, inter, stride_at, stride_we, stride_wn,
+                 stride_se, stride_sn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BO: tl.constexpr,
+                 BI: tl.constexpr, PER_PAIR: tl.constexpr, PRECISION: tl.constexpr):
     # out[pair, n] = routing weight[pair] * (act[pair] . down[e, n]) for a block of pairs.
-    block = tl.program_id(0)
-    expert = tl.load(experts_ptr + block)
+    pairs, rows_ok, expert = _block_pairs(pairs_ptr, experts_ptr, local_ptr, num_pairs,
+                                          num_experts, BLOCK_M, PER_PAIR)
     if expert < 0:
         return
-    pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    rows_ok = pairs < num_pairs
-    safe = tl.where(rows_ok, pairs, 0)
-    a_rows = act_ptr + safe * stride_at
+    a_rows = act_ptr + pairs * stride_at
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden
     w = w_ptr + expert.to(tl.int64) * stride_we
@@ -116,7 +164,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts
     for k0 in range(0, inter, BLOCK_K):
         acc = _dot_tile(acc, a_rows, rows_ok, w, sc, cols, cols_ok, k0, inter, stride_wn,
                         stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION)
-    routing = tl.load(weights_ptr + safe, mask=rows_ok, other=0.0)
+    routing = tl.load(weights_ptr + pairs, mask=rows_ok, other=0.0)
     y = acc.to(dtype).to(tl.float32) * routing[:, None]
     tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], y.to(dtype),
              mask=rows_ok[:, None] & cols_ok[None, :])
@@ -133,45 +181,81 @@ class Tiles(NamedTuple):
 
 def default_tiles(experts: StackedExperts) -> Tiles:
     # The fastest of `python -m benchmarks.moe --tiles` on an H200 at 1-128 tokens
-    # (benchmarks/results/archive/2026-12-04-moe-gpu.md).
+    # (benchmarks/results/archive/2026-12-04-moe-gpu.md), again on an H100 at a Kimi rank's.
     return Tiles(block_k=256) if experts.group else Tiles()
 
 
+@cache
+def _programs_to_fill(device: torch.device) -> int:
+    """Programs that keep every SM of `device` busy (two per SM); on the interpreter, enough
+    that tests split small shapes."""
+    if device.type != "cuda":
+        return 64
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k(pairs: int, local_experts: int, routed_experts: int, col_blocks: int,
+            k_blocks: int, device: torch.device) -> int:
+    """How many programs share gate/up's input dim: enough that the blocks the pairs are
+    expected to occupy (pairs spread uniformly over the routed experts, this rank holding
+    `local_experts` of them) fill the GPU."""
+    busy = max(1, min(local_experts, -(-pairs * local_experts // routed_experts)))
+    return max(1, min(k_blocks, _programs_to_fill(device) // (busy * col_blocks)))
+
+
 def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
-                  ids: torch.Tensor, first_expert: int, tiles: Tiles | None = None
-                  ) -> torch.Tensor:
-    """x [n, hidden]; `experts` this rank's E experts (first_expert .. first_expert + E - 1);
-    the router's weights (float32) and global expert ids [n, top_k]. -> sum over the top_k
-    slots of weight * expert(x), [n, hidden] (zero for slots on other ranks)."""
+                  ids: torch.Tensor, first_expert: int, tiles: Tiles | None = None,
+                  routed_experts: int | None = None) -> torch.Tensor:
+    """x [n, hidden]; `experts` this rank's E experts (first_expert .. first_expert + E - 1)
+    of `routed_experts` (default E); the router's weights (float32) and global expert ids
+    [n, top_k]. -> sum over the top_k slots of weight * expert(x), [n, hidden] (zero for
+    slots on other ranks)."""
     x = x.contiguous()  # the kernels read rows with unit column stride
     n, hidden = x.shape
     num_experts, inter = experts.gate_up.shape[0], experts.inter
     top_k = ids.shape[1]
-    local = ids.flatten() - first_expert
-    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    pairs, blocks = align_by_expert(local, num_experts)
-    num_pairs = n * top_k
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
     if experts.group % 8:
         raise ValueError(f"INT4 group size {experts.group} is not a multiple of 8")
+    local = ids.flatten() - first_expert
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    num_pairs = n * top_k
+    per_pair = num_pairs <= PER_PAIR_MAX
+    if per_pair:
+        pairs = blocks = local  # unread: each block is its pair
+        num_blocks = num_pairs
+    else:
+        pairs, blocks = align_by_expert(local, num_experts)
+        num_blocks = blocks.numel()
     tiles = tiles or default_tiles(experts)
-    block_n = tiles.block_n
+    block_n, block_k = tiles.block_n, tiles.block_k
+    col_blocks, k_blocks = triton.cdiv(inter, block_n), triton.cdiv(hidden, block_k)
+    splits = split_k(num_pairs, num_experts, routed_experts or num_experts, col_blocks,
+                     k_blocks, x.device)
+    k_per_split = triton.cdiv(k_blocks, splits) * block_k
+    splits = triton.cdiv(hidden, k_per_split)
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    part = (torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
+            if splits > 1 else act[None])
+    out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 only rounds float32
     bo, bi = experts.fp8_block or (0, 0)
-    common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP=experts.group,
-                  BO=bo, BI=bi, PRECISION=precision, num_warps=tiles.num_warps,
-                  num_stages=tiles.num_stages)
+    common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=experts.group,
+                  BO=bo, BI=bi, PER_PAIR=per_pair, PRECISION=precision,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     w13, s13 = experts.gate_up, experts.gate_up_scale
-    _gate_up_kernel[(blocks.numel(), triton.cdiv(inter, block_n))](
-        x, w13, w13 if s13 is None else s13, act, pairs, blocks, num_pairs, top_k, hidden,
-        inter, x.stride(0), w13.stride(0), w13.stride(1), *_strides(s13), act.stride(0),
+    _gate_up_kernel[(num_blocks, col_blocks, splits)](
+        x, w13, w13 if s13 is None else s13, part, pairs, blocks, local, num_pairs,
+        num_experts, top_k, hidden, inter, k_per_split, x.stride(0), w13.stride(0),
+        w13.stride(1), *_strides(s13), part.stride(0), part.stride(1), SPLIT=splits > 1,
         **common)
+    if splits > 1:
+        _split_activation_kernel[(num_pairs, triton.cdiv(inter, 256))](
+            part, act, splits, inter, part.stride(0), part.stride(1), act.stride(0), BLOCK=256)
     w2, s2 = experts.down, experts.down_scale
-    _down_kernel[(blocks.numel(), triton.cdiv(hidden, block_n))](
+    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         act, w2, w2 if s2 is None else s2, weights.flatten().contiguous(), out, pairs, blocks,
-        num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), *_strides(s2),
-        out.stride(0), **common)
+        local, num_pairs, num_experts, hidden, inter, act.stride(0), w2.stride(0),
+        w2.stride(1), *_strides(s2), out.stride(0), **common)
     return out.view(n, top_k, hidden).sum(dim=1)
 
 

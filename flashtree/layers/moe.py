@@ -59,11 +59,19 @@ class Router(nn.Module):
         target.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        if cfg.router_fp32:
+        if self.cfg.router_fp32:
             logits = F.linear(x.float(), self.weight.float())  # [n, E]
         else:
             logits = F.linear(x, self.weight).float()
+        if fused_kernels_apply(x):  # one launch (`layers/moe_router.py`) for `select`'s ops
+            from flashtree.layers.moe_router import route
+
+            return route(logits, self.e_score_correction_bias, self.cfg)
+        return self.select(logits)
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager selection: float32 logits [n, E] -> (weights, ids) [n, top_k]."""
+        cfg = self.cfg
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
         else:
@@ -71,7 +79,7 @@ class Router(nn.Module):
         choice = scores if self.e_score_correction_bias is None else (
             scores + self.e_score_correction_bias)
         if cfg.n_group > 1:
-            grouped = choice.view(x.shape[0], cfg.n_group, -1)  # [n, groups, E / groups]
+            grouped = choice.view(logits.shape[0], cfg.n_group, -1)  # [n, groups, E / groups]
             if cfg.topk_method == "noaux_tc":
                 group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [n, groups]
             else:
@@ -255,7 +263,8 @@ class SparseMoE(nn.Module):
         if self.stacked is not None and fused_kernels_apply(x):
             from flashtree.layers.fused_moe import fused_experts
 
-            out = fused_experts(x, self.stacked, weights, ids, self.first_expert)
+            out = fused_experts(x, self.stacked, weights, ids, self.first_expert,
+                                routed_experts=self.gate.cfg.num_experts)
             if self.shared_experts is not None:
                 out = out + self.shared_experts(x)
             return tp_all_reduce(out)

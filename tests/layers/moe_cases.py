@@ -19,6 +19,8 @@ CASES = [
     (5, 8, 2, 96, 48, 0, 8),  # widths that are not multiples of the tiles
     (33, 16, 4, 64, 80, 4, 8),  # expert parallel: other ranks' pairs are left out
     (70, 4, 3, 32, 16, 0, 4),  # several blocks per expert
+    (3, 16, 4, 64, 80, 4, 8),  # expert parallel with a block per pair
+    (2, 8, 2, 384, 128, 0, 8),  # gate/up's input dim split over programs (SPLIT_K 2)
 ]
 
 

@@ -32,6 +32,11 @@ def test_int4_experts_match_eager_on_their_dequantized_weights(case, dtype):
     check_fused_experts(case, dtype, "cpu", group=16)
 
 
+@pytest.mark.parametrize("group", [32, 128, 256])  # groups within, as long as, over a tile
+def test_int4_groups_of_any_size_against_tiles(group):
+    check_fused_experts((2, 8, 2, 512, 256, 0, 8), torch.bfloat16, "cpu", group=group)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [c for c in CASES if c[3] % 16 == 0 and c[4] % 16 == 0])
 def test_fp8_experts_match_eager_on_their_dequantized_weights(case, dtype):

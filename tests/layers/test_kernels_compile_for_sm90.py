@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 STREAMING = ["gemv"] + [f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", "silu_mul",
                                                 "norm_rope", "norm_rope_to_cache")]
 CASES = [f"moe:{k}:{w}" for k in ("_gate_up_kernel", "_down_kernel")
-         for w in ("bf16", "int4", "fp8")] + ["grouping", "attention:dense", "attention:mla",
-                                              *STREAMING]
+         for w in ("bf16", "int4", "fp8", "int4-per-pair")] + [
+    "moe:_gate_up_kernel:int4-split", "moe:_split_activation_kernel:bf16","grouping", "router:kimi", "router:deepseek",
+                                              "attention:dense", "attention:mla", *STREAMING]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_kernel_compiles_for_sm90(reports, case):
         assert reports[case]["spill_bytes"] == 0, reports[case]
 
 
-FLOATS = ("sm_scale_log2", "eps")  # the kernels' float scalar arguments
+FLOATS = ("sm_scale_log2", "eps", "scaling")  # the kernels' float scalar arguments
 
 
 def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
@@ -112,20 +113,28 @@ def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
 
 
 def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
-    """A grouped GEMM with its default tiles for bf16, INT4 (group 32) or FP8 experts."""
+    """A grouped GEMM with its default tiles for bf16, INT4 (group 32) or FP8 experts, over
+    blocks of grouped pairs, (`-per-pair`) a block per pair or (`-split`) a split input dim."""
     from flashtree.layers import fused_moe
     from flashtree.layers.stacked_experts import StackedExperts
 
+    if kernel == "_split_activation_kernel":
+        return compile_sm90(fused_moe._split_activation_kernel, dict(BLOCK=256),
+                            dict(part_ptr="fp32", act_ptr="bf16"), tmp_path)
+    weights, variant = weights.partition("-")[::2]
     group, fp8 = {"bf16": (0, None), "int4": (32, None), "fp8": (0, (128, 128))}[weights]
     dummy = torch.empty(1, 2, 8)
     tiles = fused_moe.default_tiles(StackedExperts(dummy, dummy, group=group, fp8_block=fp8))
     bo, bi = fp8 or (0, 0)
     constants = dict(BLOCK_M=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group,
-                     BO=bo, BI=bi, PRECISION="tf32")
+                     BO=bo, BI=bi, PER_PAIR=variant == "per-pair", PRECISION="tf32")
+    split = variant == "split"
+    if kernel == "_gate_up_kernel":
+        constants["SPLIT"] = split
     weight_type = {"bf16": "bf16", "int4": "i32", "fp8": "fp8e4nv"}[weights]
-    pointers = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="bf16", w_ptr=weight_type,
-                    s_ptr="bf16" if weights == "int4" else "fp32", weights_ptr="fp32",
-                    pairs_ptr="i64", experts_ptr="i64")
+    pointers = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="fp32" if split else "bf16",
+                    w_ptr=weight_type, s_ptr="bf16" if weights == "int4" else "fp32",
+                    weights_ptr="fp32", pairs_ptr="i32", experts_ptr="i32", local_ptr="i64")
     return compile_sm90(getattr(fused_moe, kernel), constants, pointers, tmp_path,
                         tiles.num_warps)
 
@@ -136,6 +145,20 @@ def grouping_case(tmp_path: Path) -> dict:
     return compile_sm90(_align_kernel, dict(BLOCK_M=16, E_PAD=512, CHUNK=1024, BLOCKS_PER_STEP=8),
                  dict(local_ptr="i64", pairs_ptr="i64", blocks_ptr="i64", starts_ptr="i64",
                       cursor_ptr="i64"), tmp_path, 8)
+
+
+def router_case(model: str, tmp_path: Path) -> dict:
+    """The fused router at Kimi K2.6's shape (384 sigmoid experts with the correction bias, no
+    groups, top 8) or DeepSeek-V3's (256 experts in 8 groups, the 4 best kept, top 8)."""
+    from flashtree.layers.moe_router import _route_kernel
+
+    groups = dict(kimi=(1, 1), deepseek=(8, 4))[model]
+    constants = dict(E_PAD=512 if model == "kimi" else 256, TOP_K=8, K_PAD=8, SOFTMAX=False,
+                     HAS_BIAS=True, N_GROUP=groups[0], G_PAD=groups[0], TOPK_GROUP=groups[1],
+                     GROUP_TOP2=True, RENORM=True)
+    return compile_sm90(_route_kernel, constants,
+                        dict(logits_ptr="fp32", bias_ptr="fp32", weights_ptr="fp32",
+                             ids_ptr="i64"), tmp_path, 4, ("num_experts", "stride_t"))
 
 
 def attention_case(mla: bool, tmp_path: Path) -> dict:
@@ -213,6 +236,8 @@ def main() -> None:
                 out[case] = moe_case(rest[0], rest[1], Path(tmp))
             elif kind == "grouping":
                 out[case] = grouping_case(Path(tmp))
+            elif kind == "router":
+                out[case] = router_case(rest[0], Path(tmp))
             elif kind == "gemv":
                 out[case] = gemv_case(Path(tmp))
             elif kind == "fused":
