@@ -30,8 +30,8 @@ STREAMING = ["gemv"] + [f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", 
                                                 "norm_rope", "norm_rope_to_cache")]
 CASES = [f"moe:{k}:{w}" for k in ("_gate_up_kernel", "_down_kernel")
          for w in ("bf16", "int4", "fp8", "int4-per-pair")] + [
-    "moe:_gate_up_kernel:int4-split", "moe:_split_activation_kernel:bf16","grouping", "router:kimi", "router:deepseek",
-                                              "attention:dense", "attention:mla", *STREAMING]
+    "moe:_gate_up_kernel:int4-split", "moe:_split_activation_kernel:bf16", "grouping",
+    "router:kimi", "router:deepseek", "attention:dense", "attention:mla", *STREAMING]
 
 
 @pytest.fixture(scope="module")
