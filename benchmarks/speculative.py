@@ -32,6 +32,7 @@ Results merge into `--out` (markdown) and the JSON beside it, section by section
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -48,7 +49,17 @@ from flashtree.bench.floors import copy_bandwidth, floor_ms, step_floor_bytes, w
 from flashtree.bench.oracle import AcceptanceOracle, expected_tree_acceptance
 from flashtree.bench.peer import CompiledPeer
 from flashtree.bench.profile import profile_calls, profile_lines
-from flashtree.bench.random_pair import random_drafter, random_target, save_target, top2_gaps
+from flashtree.bench.random_pair import (
+    DRAFTER_LAYOUT,
+    parse_layout,
+    random_drafter,
+    random_rank,
+    random_target,
+    rank_llm,
+    rank_share,
+    save_target,
+    top2_gaps,
+)
 from flashtree.bench.results import command, failure_lines, int_list, mean_interval, write_results
 from flashtree.bench.shapes import DRAFTERS, SHAPES, with_layers
 from flashtree.bench.timing import (
@@ -109,7 +120,9 @@ class Bench:
         self.ctx = args.ctx
         self._pair: tuple | None = None
         self._llm: LLM | None = None
-        gen, vocab = random.Random(0), self.shape["vocab_size"]
+        self.block = BLOCK  # the drafter's, once built
+        tp = parse_layout(args.layout)[0] if args.layout else 1
+        gen, vocab = random.Random(0), self.shape["vocab_size"] // tp  # a rank's vocab slice
         count = max(args.prompts, 256, args.profile_batch)
         self.prompts = [[gen.randrange(vocab - 1) for _ in range(self.ctx)] for _ in range(count)]
         self.references: dict[tuple[int, ...], list[int]] = {}
@@ -118,11 +131,16 @@ class Bench:
     def pair_modules(self) -> tuple:
         """(target, its config, drafter) with random weights, built on the device once."""
         if self._pair is None:
-            t = time.time()
-            target, cfg = random_target(self.shape, self.dtype, self.device)
-            drafter = random_drafter(cfg, DRAFTERS[self.args.shape], self.dtype, self.device,
-                                     layers=self.args.draft_layers, block_size=BLOCK)
-            self._pair = target, cfg, drafter
+            t, a = time.time(), self.args
+            if a.layout:  # this process's rank share (main entered it), the seeds' drafter
+                self._pair = random_rank(a.shape, self.dtype, self.device, a.layers,
+                                         **self.shape_overrides())
+            else:
+                target, cfg = random_target(self.shape, self.dtype, self.device)
+                self._pair = target, cfg, random_drafter(
+                    cfg, DRAFTERS[a.shape], self.dtype, self.device, layers=a.draft_layers,
+                    block_size=BLOCK)
+            self.block = self._pair[2].cfg.block_size
             self.res.setdefault("build_s", time.time() - t)
         return self._pair
 
@@ -139,10 +157,15 @@ class Bench:
             *a.budgets, CALIBRATION_BUDGET)
         if {"steps", "verify"} & set(a.sections.split(",")):
             longest = max(longest, max(a.verify_ctxs) + max(a.trees) + 64)
-        self._llm = LLM.from_modules(*self.pair_modules(), max_num_seqs=max_num_seqs,
-                                     max_model_len=longest, max_num_batched_tokens=8192,
-                                     enforce_eager=a.enforce_eager or eager, **kw)
+        build = rank_llm if a.layout else LLM.from_modules
+        self._llm = build(*self.pair_modules(), max_num_seqs=max_num_seqs,
+                          max_model_len=longest, max_num_batched_tokens=8192,
+                          enforce_eager=a.enforce_eager or eager, **kw)
         return self._llm
+
+    def shape_overrides(self) -> dict:
+        return ({} if self.args.first_dense is None
+                else {"first_k_dense_replace": self.args.first_dense})
 
     def release(self) -> None:
         if self._llm is not None:
@@ -253,7 +276,9 @@ class Bench:
         with Scratch(llm) as s:
             r["decode_with_context_ms"] = step_ms(llm, s.decode(1, ctx), reps)
         with Scratch(llm) as s:
-            r["verify16_ms"] = step_ms(llm, s.verify(BLOCK, ctx, tree=False), reps)
+            r["chain"] = self.block
+            r[f"verify{self.block}_ms"] = step_ms(llm, s.verify(self.block, ctx, tree=False),
+                                                  reps)
         with Scratch(llm) as s:
             draft, inject = s.draft(ctx)
             r["draft_ms"] = step_ms(llm, draft, reps, drafter=True)
@@ -281,12 +306,17 @@ class Bench:
 
     def verify(self) -> dict:
         a, ar = self.args, self.ar_by_ctx()
-        r: dict = {"ar_step_ms": ar, "ms": {}, "over_ar_step": {}}
+        bw = self.res.get("steps", {}).get("bytes_per_s") or copy_bandwidth(
+            self.device, a.copy_mib, a.reps)
+        r: dict = {"ar_step_ms": ar, "ms": {}, "over_ar_step": {}, "floor_ms": {}}
         for n in a.trees:
             llm = self.llm("ddtree", budget=max(1, n - 1))  # a 1-node tree pads to 2
             for c in a.verify_ctxs:
                 with Scratch(llm) as s:
-                    ms = step_ms(llm, s.verify(n, c, tree=True), a.reps)
+                    run = s.verify(n, c, tree=True)
+                    ms = step_ms(llm, run, a.reps)
+                    r["floor_ms"].setdefault(str(c), {})[str(n)] = floor_ms(
+                        step_floor_bytes(llm, run, c + n), bw)
                 r["ms"].setdefault(str(c), {})[str(n)] = ms
                 r["over_ar_step"].setdefault(str(c), {})[str(n)] = ms / ar[str(c)]
             print(f"verify {n} nodes: {[r['ms'][str(c)][str(n)] for c in a.verify_ctxs]}",
@@ -295,8 +325,9 @@ class Bench:
         return r
 
     def calibrate(self) -> dict:
-        p = chain_rate(PAPER_DFLASH_TAU)
-        llm = self.llm("dflash")
+        a = self.args
+        llm = self.llm("dflash")  # builds the pair: self.block is the drafter's from here
+        p = chain_rate(a.dflash_tau, self.block)
         with Scratch(llm) as s:  # the real drafter's logits for one block at context ctx
             logits = s.draft(self.ctx)[0]().float().clone()
         self.release()
@@ -305,8 +336,9 @@ class Bench:
         grid = {b: [expected_tree_acceptance(logits, p, q, b, self.args.trials, gen,
                                              DEFAULT_TOPK_CAP) for q in qs]
                 for b in sorted({*self.args.budgets, CALIBRATION_BUDGET})}
-        q = _interpolate(qs, grid[CALIBRATION_BUDGET], PAPER_DDTREE_TAU)
-        return {"p": p, "q": q, "qs": qs, "mc_tau": {str(b): v for b, v in grid.items()},
+        q = _interpolate(qs, grid[CALIBRATION_BUDGET], a.ddtree_tau)
+        return {"p": p, "q": q, "qs": qs, "block": self.block, "dflash_tau": a.dflash_tau,
+                "ddtree_tau": a.ddtree_tau, "mc_tau": {str(b): v for b, v in grid.items()},
                 "calibration_budget": CALIBRATION_BUDGET, "trials": self.args.trials,
                 "drafter_top1_mass": logits.softmax(-1).max(-1).values.mean().item()}
 
@@ -319,9 +351,9 @@ class Bench:
         llm = self.llm("dflash")
         oracle = self.oracle(llm, p)
         r["dflash"] = self.c1_rate(llm, prompts)
-        llm.engine.policy = AdaptivePolicy(BLOCK - 1)
+        llm.engine.policy = AdaptivePolicy(self.block - 1)
         r["dflash_adaptive"] = self.c1_rate(llm, prompts)
-        llm.engine.policy = FixedPolicy(BLOCK - 1)
+        llm.engine.policy = FixedPolicy(self.block - 1)
         r["curve_dflash"] = self.curve(llm, oracle, 0.0)
         r["ddtree_budgets"] = {}
         for b in self.args.budgets:
@@ -346,8 +378,8 @@ class Bench:
     def curve(self, llm: LLM, oracle: AcceptanceOracle, q: float) -> list[dict]:
         """Tokens/s at concurrency 1 for the oracle settings of CURVE_TAUS (same q)."""
         points, rates = [], (oracle.p, oracle.q)
-        for tau in CURVE_TAUS:
-            oracle.p, oracle.q = chain_rate(tau), q
+        for tau in self.args.curve_taus:
+            oracle.p, oracle.q = chain_rate(tau, self.block), q
             points.append({"p": oracle.p, **self.c1_rate(llm, self.prompts[:2])})
         oracle.p, oracle.q = rates
         return points
@@ -391,7 +423,7 @@ class Bench:
         r: dict = {"p": p, "q": q, "ddtree_budget": best, "levels": levels,
                    "tokens": a.sweep_tokens, "rounds": a.rounds, "rows": {}}
         self.res["sweep"] = r  # saved after every row: a run cut short keeps what it measured
-        for spec, budget, rate_q in (("none", None, None), ("dflash", BLOCK - 1, 0.0),
+        for spec, budget, rate_q in (("none", None, None), ("dflash", self.block - 1, 0.0),
                                      ("ddtree", best, q)):
             if spec not in a.sweep_methods.split(","):
                 continue
@@ -645,10 +677,10 @@ def summary(res: dict) -> dict:
     st, c1, prof, sw, pair, gen = (res.get(k) for k in ("steps", "c1", "profile", "sweep",
                                                          "pair", "generate"))
     if st:
-        ar = st["ar"].get("1") or next(iter(st["ar"].values()))
+        ar, chain = st["ar"].get("1") or next(iter(st["ar"].values())), st.get("chain", BLOCK)
         out.update(ar_step_over_floor=ar["ms"] / ar["floor_ms"],
                    draft_over_ar_step=st["draft_ms"] / ar["ms"],
-                   verify16_over_ar_step=st["verify16_ms"] / ar["ms"],
+                   **{f"verify{chain}_over_ar_step": st[f"verify{chain}_ms"] / ar["ms"]},
                    verify64_over_ar_step=st["verify64_ms"] / ar["ms"])
         if "peer_ms" in st:
             out["ar_speed_over_compiled_peer"] = st["peer_ms"] / ar["ms"]
@@ -715,9 +747,10 @@ def report(res: dict, keys: dict) -> list[str]:
     cal = res.get("calibrate")
     if cal:
         lines += [f"Oracle settings: **paper-DFlash** P = {cal['p']:.4f} (chain acceptance "
-                  f"{PAPER_DFLASH_TAU} at block {BLOCK}); **paper-DDTree** the same P with Q = "
-                  f"{cal['q']:.3f} (Monte Carlo over the drafter's own logits: the "
-                  f"{cal['calibration_budget']}-node tree accepts {PAPER_DDTREE_TAU}). The "
+                  f"{cal.get('dflash_tau', PAPER_DFLASH_TAU)} at block {cal.get('block', BLOCK)}); "
+                  f"**paper-DDTree** the same P with Q = {cal['q']:.3f} (Monte Carlo over the "
+                  f"drafter's own logits: the {cal['calibration_budget']}-node tree accepts "
+                  f"{cal.get('ddtree_tau', PAPER_DDTREE_TAU)}). The "
                   f"drafter's top token holds {cal['drafter_top1_mass']:.0%} of its mass.", ""]
     lines += [f"`{k}` {v:.3f}  " for k, v in keys.items() if isinstance(v, float)] + [""]
     for name, lines_of in SECTION_LINES.items():
@@ -727,6 +760,7 @@ def report(res: dict, keys: dict) -> list[str]:
 
 
 def _steps_lines(st: dict) -> list[str]:
+    chain = st.get("chain", BLOCK)
     lines = [f"## Steps at context {st['ctx']} (copy bandwidth {st['bytes_per_s'] / 1e9:.0f} "
              "GB/s)", "", f"Weights {st['weight_bytes'] / 1e9:.2f} GB, a decode step reads "
              f"{st['weight_bytes_read'] / 1e9:.2f} GB of them besides routed experts; KV "
@@ -741,20 +775,24 @@ def _steps_lines(st: dict) -> list[str]:
             if "peer_ms" in st else f"compiled peer {st['peer']}")
     return lines + ["", f"Whole engine step at batch 1: {st['engine_step_ms']:.3f} ms; {peer}. "
                     f"DFlash engine: decode {st['decode_with_context_ms']:.3f} ms (context "
-                    f"written for the drafter), 16-token chain verify {st['verify16_ms']:.3f} "
+                    f"written for the drafter), {chain}-token chain verify "
+                    f"{st[f'verify{chain}_ms']:.3f} "
                     f"ms, draft {st['draft_ms']:.3f} ms, a block's context injection "
                     f"{st['inject_ms']:.3f} ms; DDTree engine: 64-node verify "
                     f"{st['verify64_ms']:.3f} ms. Graph-replayed: {st['graphs']}.", ""]
 
 
 def _verify_lines(v: dict) -> list[str]:
-    ctxs = list(v["ms"])
-    lines = ["## Tree verify over the AR step (batch 1, random trees of depth < 16)", "",
-             "| nodes | " + " | ".join(f"ctx {c} ms | / AR step" for c in ctxs) + " |",
-             "|---|" + "---|---|" * len(ctxs)]
+    ctxs, floors = list(v["ms"]), v.get("floor_ms", {})
+    lines = ["## Tree verify over the AR step and its floor (batch 1, random trees of depth < "
+             "16)", "", "| nodes | " + " | ".join(f"ctx {c} ms | / AR step | / floor"
+                                                  for c in ctxs) + " |",
+             "|---|" + "---|---|---|" * len(ctxs)]
     for n in v["ms"][ctxs[0]]:
         lines.append(f"| {n} | " + " | ".join(
-            f"{v['ms'][c][n]:.3f} | {v['over_ar_step'][c][n]:.2f}" for c in ctxs) + " |")
+            f"{v['ms'][c][n]:.3f} | {v['over_ar_step'][c][n]:.2f} | "
+            + (f"{v['ms'][c][n] / floors[c][n]:.2f}" if c in floors else "-")
+            for c in ctxs) + " |")
     return lines + [""]
 
 
@@ -905,6 +943,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, help="target depth (default: the shape's)")
     ap.add_argument("--first-dense", type=int, help="DeepSeek shapes: dense layers first")
     ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--layout", help="tpN, epN or tpNepM: one rank's share of the layout, run "
+                    "in a group of one (its kernels and collectives; no wire time) with the "
+                    "shape's seeds' drafter (random_pair.random_rank)")
+    ap.add_argument("--dflash-tau", type=float, default=PAPER_DFLASH_TAU,
+                    help="the oracle's chain acceptance at the drafter's block")
+    ap.add_argument("--ddtree-tau", type=float, default=PAPER_DDTREE_TAU,
+                    help="what the calibration budget's tree accepts under the oracle")
+    ap.add_argument("--curve-taus", type=lambda v: [float(x) for x in v.split(",") if x],
+                    default=list(CURVE_TAUS), help="c1's curve of chain acceptances ('': none)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--enforce-eager", action="store_true")
@@ -960,15 +1007,25 @@ def main() -> None:
     res = {k: old[k] for k in (*SECTIONS, "errors", "commands") if k in old}
     res["commands"] = [*res.get("commands", []), command()]
     layers = with_layers(SHAPES[args.shape], args.layers)["num_hidden_layers"]
+    draft_layers = (DRAFTER_LAYOUT.get(args.shape, (5,))[0] if args.layout
+                    else args.draft_layers)
 
     def save() -> None:
         keys = summary(res)
         write_results(args.out, f"Speculative steps and end to end: {args.shape}-shaped target, "
                       f"{layers} layers, {args.dtype}", report(res, keys),
                       {**res, **keys, "shape": args.shape, "layers": layers,
+                       "layout": args.layout, "draft_layers": draft_layers,
                        "command": "; ".join(res["commands"])}, GOAL_KEYS)
 
     bench = Bench(args, res, save)
+    share = rank_share(args.layout, args.device) if args.layout else contextlib.nullcontext()
+    with share:
+        run_sections(bench, sections, res, save)
+    print(f"report: {args.out.with_suffix('.md')}\njson:   {path}")
+
+
+def run_sections(bench: Bench, sections: list[str], res: dict, save) -> None:
     for section in sections:
         t = time.time()
         try:
@@ -980,7 +1037,6 @@ def main() -> None:
             print(traceback.format_exc(), flush=True)
         print(f"[{section}: {time.time() - t:.0f} s]", flush=True)
         save()
-    print(f"report: {args.out.with_suffix('.md')}\njson:   {path}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,13 @@ def moe_layer_bytes(layer: SparseMoE, ids: torch.Tensor) -> int:
     """Weight bytes one forward of the layer must read: the distinct routed experts its
     tokens touch (`ids`, the router's picks), the router and the shared experts."""
     rest = _bytes(p for n, p in layer.named_parameters() if not n.startswith("experts."))
-    return ids.unique().numel() * expert_bytes(layer) + rest
+    return local_experts_touched(layer, ids) * expert_bytes(layer) + rest
+
+
+def local_experts_touched(layer: SparseMoE, ids: torch.Tensor) -> int:
+    """How many of the layer's own experts (its rank's, under expert parallelism) `ids` pick."""
+    mine = (ids >= layer.first_expert) & (ids < layer.first_expert + layer.num_local)
+    return int(ids[mine].unique().numel())
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -56,21 +62,23 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 
 class ExpertsTouched:
-    """While entered, counts the distinct experts each MoE layer's router picks (a host read
-    per layer: outside timed runs only)."""
+    """While entered, counts the distinct experts of its own each MoE layer's router picks (a
+    host read per layer: outside timed runs only)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
-        self.routers = [m.gate for m in layers]
-        self.per_expert = expert_bytes(layers[0]) if layers else 0
+        self.layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        self.routers = [m.gate for m in self.layers]
+        self.per_expert = expert_bytes(self.layers[0]) if self.layers else 0
         self.total, self._hooks = 0, []
 
     def __enter__(self) -> ExpertsTouched:
         self.total = 0
 
-        def count(_module, _inputs, output) -> None:
-            self.total += int(output[1].unique().numel())
-        self._hooks = [r.register_forward_hook(count) for r in self.routers]
+        def counter(layer: SparseMoE):
+            def count(_module, _inputs, output) -> None:
+                self.total += local_experts_touched(layer, output[1])
+            return count
+        self._hooks = [m.gate.register_forward_hook(counter(m)) for m in self.layers]
         return self
 
     def __exit__(self, *exc) -> None:

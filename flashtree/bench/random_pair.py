@@ -91,8 +91,9 @@ def _random(name: str, shape: torch.Size, gen: torch.Generator, residual_scale: 
                                                                        residual_scale)
 
 
-def _fill(module: torch.nn.Module, gen: torch.Generator, residual_scale: float,
-          skip: tuple[str, ...] = (), int4_group: int = 0) -> None:
+def fill_random(module: torch.nn.Module, gen: torch.Generator, residual_scale: float = 1.0,
+                skip: tuple[str, ...] = (), int4_group: int = 0) -> None:
+    """Every parameter of `module` (but `skip`'s and INT4 shapes) by `_random`'s rule."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if not name.startswith(skip) and not name.endswith("weight_shape"):  # kept as built
@@ -149,7 +150,7 @@ def random_target(shape: dict, dtype: torch.dtype, device: torch.device | str, s
         cfg = replace(cfg, moe=replace(cfg.moe, int4_group=int4_group))
     gen = torch.Generator(device).manual_seed(seed)
     model = _build(lambda: model_class(cfg)(cfg), dtype, device)
-    _fill(model, gen, _TARGET_RESIDUAL_SCALE, skip=("embed_tokens", "lm_head"),
+    fill_random(model, gen, _TARGET_RESIDUAL_SCALE, skip=("embed_tokens", "lm_head"),
           int4_group=int4_group)
     emb = model.embed_tokens
     rows = emb.vocab_end - emb.vocab_start  # this rank's real ids (not the last slice's pad)
@@ -178,7 +179,7 @@ def random_drafter(target_cfg: ModelConfig, shape: dict, dtype: torch.dtype,
     cfg = DFlashConfig.from_hf(_drafter_config(target_cfg.num_layers, shape, layers, block_size))
     gen = torch.Generator(device).manual_seed(seed)
     drafter = _build(lambda: DFlashDraftModel(cfg), dtype, device)
-    _fill(drafter, gen, _DRAFTER_RESIDUAL_SCALE)
+    fill_random(drafter, gen, _DRAFTER_RESIDUAL_SCALE)
     with torch.no_grad():  # unit-variance LM head rows: logits ~ N(0, (norm * sqrt(hidden))^2)
         drafter.norm.weight.fill_(logit_std / target_cfg.hidden_size ** 0.5)
     return drafter.eval()

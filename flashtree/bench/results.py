@@ -57,6 +57,19 @@ GOALS = {g.key: g for g in (
          "chain, default pair", ">=", 10.0),
     Goal("ddtree_over_dflash_e2e", "DDTree over the DFlash chain end to end, default pair",
          ">", 1.0),
+    Goal("kimi_tp8_rank_decode_b1_ms", "Kimi K2.6 TP8 rank decode step, batch 1, ms", "<=",
+         3.0),
+    Goal("moe_layer_fixed_us", "MoE layer time at zero touched experts (fit), us", "<=", 25),
+    Goal("int4_expert_bw_fraction", "touched INT4 expert bytes per second over copy bandwidth, "
+         "8-128 tokens (worst)", ">=", 0.7),
+    Goal("kimi_tp8_rank_dflash_over_none_c1", "Kimi TP8 rank: DFlash over plain, concurrency 1",
+         ">=", 2.0),
+    Goal("kimi_tp8_rank_ddtree_over_dflash_c1", "Kimi TP8 rank: DDTree over DFlash, "
+         "concurrency 1", ">=", 1.1),
+    Goal("kimi_tp8_predicted_ar_tps_c1", "Kimi TP8 on 8 GPUs, PREDICTED plain tokens/s, c=1",
+         ">=", 180),
+    Goal("kimi_tp8_predicted_dflash_tps_c1", "Kimi TP8 on 8 GPUs, PREDICTED DFlash tokens/s, "
+         "c=1", ">=", 550),
     Goal("mla_decode_tbps_16k_b32", "MLA decode at 16k x 32, latent TB/s", ">=", 3.0),
     Goal("mla_verify64_over_decode", "MLA 64-node verify over decode", "<=", 1.3),
     Goal("tp2_over_tp1_b1", "TP2 decode step over TP1, batch 1", "<=", 0.65),

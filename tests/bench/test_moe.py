@@ -1,19 +1,16 @@
 """benchmarks/moe.py: the layers section small on a CPU (the loop; the grouped GEMMs need CUDA),
-its floors against the touched experts, and the prediction's pieces against independent
-answers: the fit recovers a known line, the busiest of one expert group is the closed-form
-expected count of touched experts, the busiest of several groups holds at least their mean
-share; run on the committed one-GPU measurements, EP never predicts below TP."""
+also as a rank's share of a layout, its floors against the touched experts; the Kimi report's
+fit recovers a known line and its prediction adds the collectives a rank launches, each at the
+assumed latency, to the rank's measured time per token, checked against arithmetic by hand."""
 
 from __future__ import annotations
 
-import random
+import json
 
 import pytest
 
-from benchmarks.moe import busiest_rank_experts, expected_touched, fit_layer
-from tests.bench.scripts import REPO, run_script
-
-MEASURED = REPO / "benchmarks/results/archive/2026-12-04-moe-gpu.json"
+from flashtree.bench.kimi import fit_layer
+from tests.bench.scripts import run_script
 
 
 def test_layers_run_small_on_cpu(tmp_path):
@@ -37,25 +34,30 @@ def test_fit_recovers_a_line():
     assert a == pytest.approx(0.2) and c == pytest.approx(0.03)
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 32])
-def test_one_group_touches_the_expected_experts(tokens):
-    got = busiest_rank_experts(tokens, 64, 4, 1, 2000, random.Random(1))
-    # 2000 trials of a count whose standard deviation is at most ~4: the mean within 3%.
-    assert got == pytest.approx(expected_touched(tokens, 64, 4), rel=0.03)
+def test_layers_of_a_rank_share_touch_its_experts(tmp_path):
+    data = run_script("moe", tmp_path / "moe.md", "--shapes", "tiny-moe", "--layout", "ep2",
+                      "--device", "cpu", "--dtype", "float32", "--reps", "1")
+    rows = data["shapes"]["tiny-moe"]["rows"]
+    # 4 of the 8 experts live on rank 0 of ep2: a token's 2 choices touch 0-2 of them.
+    assert data["layout"] == "ep2" and all(r["experts_touched"] <= 4 for r in rows)
+    assert rows[0]["experts_touched"] <= 2
 
 
-def test_busiest_of_several_groups_holds_at_least_the_mean():
-    got = busiest_rank_experts(2, 64, 4, 8, 2000, random.Random(2))
-    assert got >= expected_touched(2, 64, 4) / 8 + 0.5
-
-
-def test_prediction_from_the_committed_measurements(tmp_path):
-    out = tmp_path / "pred.md"
-    data = run_script("moe", out, "--sections", "predict", "--moe", str(MEASURED),
-                      "--trials", "50")
-    pred = data["predict"]
-    assert pred["prediction"] is True and "a PREDICTION" in out.read_text()
-    assert pred["machine_measured"] == "NVIDIA H200"
-    for tp, ep in zip(pred["layouts"]["tp8"], pred["layouts"]["ep8"]):
-        assert tp["step"] == ep["step"] and ep["moe_ms"] >= tp["moe_ms"] > 0
-        assert tp["ms"] == pytest.approx(tp["moe_ms"] + tp["other_ms"] + tp["allreduce_ms"])
+def test_kimi_prediction_adds_the_rank_collectives(tmp_path):
+    run = {"layout": "tp8", "layers": 61, "draft_layers": 6,
+           "steps": {"ar": {"1": {"ms": 10.0, "floor_ms": 2.0}}},
+           "c1": {"none": {"tokens_per_s": 100.0, "tau": 1.0},
+                  "dflash": {"tokens_per_s": 250.0, "tau": 5.0},
+                  "ddtree_budgets": {"31": {"tokens_per_s": 300.0, "tau": 6.0}},
+                  "best_budget": 31}}
+    path = tmp_path / "tp8.json"
+    path.write_text(json.dumps(run))
+    data = run_script("moe", tmp_path / "kimi.md", "--sections", "kimi", "--ranks", str(path),
+                      "--allreduce-us", "10")
+    # Plain: 124 collectives a token (2 per layer, embedding, LM head) at 10 us after 10 ms.
+    assert data["kimi_tp8_predicted_ar_tps_c1"] == pytest.approx(1 / (0.01 + 124e-5))
+    # DFlash: 124 + the drafter's 14 per step of 5 tokens, after 4 ms a token.
+    assert data["kimi_tp8_predicted_dflash_tps_c1"] == pytest.approx(1 / (0.004 + 138e-5 / 5))
+    assert data["kimi_tp8_rank_decode_b1_ms"] == 10.0
+    assert data["kimi_tp8_rank_ddtree_over_dflash_c1"] == pytest.approx(1.2)
+    assert "PREDICTION" in (tmp_path / "kimi.md").read_text()
