@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from flashtree.attention.backend import AttentionMetadata
 from flashtree.attention.sdpa import SdpaBackend
+from flashtree.bench.floors import copy_bandwidth
 from flashtree.bench.results import int_list, write_results
 from flashtree.bench.shapes import SHAPES
 from flashtree.bench.timing import graph_ms, median_ms
@@ -38,10 +39,14 @@ from flashtree.kv.cache import KVCache, PageTables
 from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.speculative.tree import ancestor_mask
 
-GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
-               "down": (4096, 12288), "lm_head": (151936, 4096), "drafter fc": (4096, 20480)}
+GEMV_SHAPES = {  # Qwen3-8B's, and a Kimi K2.6 TP8 rank's dense projections
+    "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+                 "down": (4096, 12288), "lm_head": (151936, 4096), "drafter fc": (4096, 20480)},
+    "kimi-tp8": {"qkv_a": (2112, 7168), "q_b": (1536, 1536), "o": (7168, 1024),
+                 "shared gate_up": (512, 7168), "shared down": (7168, 256),
+                 "lm_head": (20480, 7168)}}
 GEMV_CONFIGS = ((8, 512, 4, 3), (16, 256, 4, 3), (8, 512, 8, 2), (16, 512, 8, 3),
-                (4, 1024, 4, 3))  # BLOCK_N, BLOCK_K, warps, stages
+                (4, 1024, 4, 3), (2, 512, 4, 3), (1, 1024, 4, 3))  # BLOCK_N, K, warps, stages
 TREE_NODES = 64
 
 
@@ -151,7 +156,7 @@ def _flashinfer(shape: tuple[int, int, int], device: torch.device, dtype: torch.
 
 def mla(args, device: torch.device, dtype: torch.dtype) -> dict:
     s = SHAPES[args.mla_shape]
-    shape = (s["num_attention_heads"], s["kv_lora_rank"], s["qk_rope_head_dim"])
+    shape = (args.mla_heads or s["num_attention_heads"], s["kv_lora_rank"], s["qk_rope_head_dim"])
     cuda = device.type == "cuda"
     if cuda:
         from flashtree.attention.triton import TritonBackend
@@ -159,7 +164,8 @@ def mla(args, device: torch.device, dtype: torch.dtype) -> dict:
         kernel, timer = TritonBackend, (lambda fn: graph_ms(fn, args.reps))
         ref = [latent_call(cls, 2, min(args.mla_contexts), 16, shape, True, device, dtype)[0]()
                for cls in (SdpaBackend, TritonBackend)]
-        out: dict = {"max_err_vs_sdpa": _max_diff(*ref)}
+        out: dict = {"max_err_vs_sdpa": _max_diff(*ref),
+                     "copy_bytes_per_s": copy_bandwidth(device, 1024, 10)}
         flashinfer = _flashinfer(shape, device, dtype)
     else:  # the reference backend, timed eagerly: a check of the script
         kernel, out, flashinfer = SdpaBackend, {}, None
@@ -193,9 +199,9 @@ def gemv(args) -> list[dict]:
     from flashtree.layers import dense
 
     default = (module._BLOCK_N, module._BLOCK_K, module._WARPS, module._STAGES)
-    rows = []
+    choose, rows = module.launch_shape, []
     try:
-        for name, (n, k) in GEMV_SHAPES.items():
+        for name, (n, k) in GEMV_SHAPES[args.gemv_shapes].items():
             copies = max(1, int(200e6 // (n * k * 2)))  # more than the 50 MB L2 holds
             weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
                        for _ in range(copies)]
@@ -204,14 +210,20 @@ def gemv(args) -> list[dict]:
             for config in (None, *GEMV_CONFIGS):
                 if config is not None:
                     module._BLOCK_N, module._BLOCK_K, module._WARPS, module._STAGES = config
+                    module.launch_shape = lambda n, device, c=config: c[:2]
                 product = F.linear if config is None else dense
                 run = lambda p=product, x=x, ws=weights: [p(x, w) for w in ws]  # noqa: E731
                 us = graph_ms(run, args.reps) * 1e3
                 row["F.linear" if config is None else "x".join(map(str, config))] = us / copies
             rows.append(row)
             print(row, flush=True)
+            module.launch_shape = choose
+            module._BLOCK_N, module._BLOCK_K, module._WARPS, module._STAGES = default
+            row["default"] = graph_ms(lambda x=x, ws=weights: [dense(x, w) for w in ws],
+                                      args.reps) * 1e3 / copies
     finally:
         module._BLOCK_N, module._BLOCK_K, module._WARPS, module._STAGES = default
+        module.launch_shape = choose
     return rows
 
 
@@ -220,6 +232,8 @@ def summary(res: dict) -> dict:
                       .get("rows", [])}
     if ("decode", 16384, 32) in rows:
         keys["mla_decode_tbps_16k_b32"] = rows["decode", 16384, 32]["tbps"]
+        keys["mla_decode_bw_fraction_16k_b32"] = (rows["decode", 16384, 32]["tbps"] * 1e12
+                                                  / res["mla"].get("copy_bytes_per_s", 1e30))
         if "flashinfer_tbps" in rows["decode", 16384, 32]:
             keys["flashinfer_mla_decode_tbps_16k_b32"] = rows["decode", 16384, 32][
                 "flashinfer_tbps"]
@@ -286,6 +300,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int_list, default=[1, 8, 32])
     ap.add_argument("--contexts", type=int_list, default=[512, 4096, 16384])
     ap.add_argument("--mla-shape", default="deepseek-v3", choices=["deepseek-v3", "tiny-mla"])
+    ap.add_argument("--mla-heads", type=int, help="a rank's share (8: Kimi K2.6 at TP8)")
+    ap.add_argument("--gemv-shapes", default="qwen3-8b", choices=sorted(GEMV_SHAPES))
     ap.add_argument("--mla-contexts", type=int_list, default=[4096, 16384, 65536])
     ap.add_argument("--mla-batches", type=int_list, default=[1, 32])
     ap.add_argument("--reps", type=int, default=50)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from flashtree.attention.flashinfer_mla import LatentDecode
 
 _MAX_AUTO_SPLITS = 16
+MLA_KEYS_PER_SPLIT = 256
 
 
 # Integers that vary between eager launches (the page-table width of the batch, mask strides,
@@ -234,8 +235,10 @@ class TritonBackend(AttentionBackend):
         tile = latent_tile(v_dim)
         block_m, half = tile["BLOCK_M"], tile["BLOCK_HALF"]
         num_m_tiles = triton.cdiv(meta.max_query_len * heads, block_m)
-        # A few requests' tiles are few programs: up to 64 splits, each a handful of key blocks.
-        splits = self.splits_for(n * num_m_tiles, meta.max_kv_len, tile["BLOCK_N"],
+        # A few requests' tiles are few programs: up to 64 splits, each at least
+        # MLA_KEYS_PER_SPLIT keys (finer splits cost more in partials and merging than they
+        # save: a rank's 8 heads at 1k keys on an H100).
+        splits = self.splits_for(n * num_m_tiles, meta.max_kv_len, MLA_KEYS_PER_SPLIT,
                                  most=64)
         out = q.new_empty(q.shape[0], heads, v_dim)
         part_acc, part_m, part_l = self._partials(n * num_m_tiles * splits, block_m, 2 * half,
@@ -254,7 +257,7 @@ class TritonBackend(AttentionBackend):
         )
         if splits > 1:
             merge_splits(out, (part_acc, part_m, part_l), meta.query_start, 1, num_m_tiles,
-                         heads, block_m, splits)
+                         heads, block_m, splits, written_rows_only=True)
         return out
 
     @staticmethod

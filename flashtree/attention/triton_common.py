@@ -55,6 +55,7 @@ def _merge_splits_kernel(
     stride_ot, stride_oh, num_kv_heads, num_m_tiles,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr,
     BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    WRITTEN_ROWS_ONLY: tl.constexpr,
 ):
     # One program per (request, KV head and BLOCK_DC-column chunk, query tile).
     b = tl.program_id(0)
@@ -69,35 +70,41 @@ def _merge_splits_kernel(
     head = kvh * GROUP + rows % GROUP
     first = ((b * num_kv_heads + kvh) * num_m_tiles + mt) * NUM_SPLITS
 
+    valid = tok < q_len
+    # WRITTEN_ROWS_ONLY: the kernel wrote partials for the valid rows alone; read no others.
+    read = valid if WRITTEN_ROWS_ONLY else r < BLOCK_M
     split = tl.arange(0, BLOCK_SPLITS)
     m = tl.max(tl.load(part_m_ptr + (first + split)[:, None] * BLOCK_M + r[None, :],
-                       mask=(split < NUM_SPLITS)[:, None], other=NO_SCORE), axis=0)
+                       mask=(split < NUM_SPLITS)[:, None] & read[None, :], other=NO_SCORE),
+               axis=0)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DC], tl.float32)
     for s in range(NUM_SPLITS):
         part = first + s
-        w = tl.exp2(tl.load(part_m_ptr + part * BLOCK_M + r) - m)
-        l_sum += w * tl.load(part_l_ptr + part * BLOCK_M + r)
+        w = tl.exp2(tl.load(part_m_ptr + part * BLOCK_M + r, mask=read, other=NO_SCORE) - m)
+        l_sum += w * tl.load(part_l_ptr + part * BLOCK_M + r, mask=read, other=0.0)
         acc += w[:, None] * tl.load(part_acc_ptr + (part * BLOCK_M + r)[:, None] * BLOCK_D
-                                    + d[None, :])
+                                    + d[None, :], mask=read[:, None], other=0.0)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=(tok < q_len)[:, None] & (d < HEAD_DIM)[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (d < HEAD_DIM)[None, :],
     )
 
 
 def merge_splits(out: torch.Tensor, partials: tuple[torch.Tensor, ...], query_start: torch.Tensor,
-                 num_kv_heads: int, num_m_tiles: int, group: int, block_m: int, splits: int
-                 ) -> None:
+                 num_kv_heads: int, num_m_tiles: int, group: int, block_m: int, splits: int,
+                 written_rows_only: bool = False) -> None:
     """The context splits' partials (acc [programs, block_m, block_d], max, sum, in the
     order the attention kernels write them) merged into `out` [tokens, heads, head_dim], in
-    column chunks so that a few long requests still fill the GPU."""
+    column chunks so that a few long requests still fill the GPU. `written_rows_only`: the
+    kernel wrote the rows of real tokens alone (MLA), so only those are read."""
     block_d = partials[0].shape[-1]
     chunk = min(block_d, 64)
     _merge_splits_kernel[(query_start.numel() - 1, num_kv_heads * (block_d // chunk),
                           num_m_tiles)](
         out, *partials, query_start, out.stride(0), out.stride(1), num_kv_heads, num_m_tiles,
         GROUP=group, HEAD_DIM=out.shape[2], BLOCK_D=block_d, BLOCK_DC=chunk, BLOCK_M=block_m,
-        NUM_SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits), num_warps=4,
+        NUM_SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
+        WRITTEN_ROWS_ONLY=written_rows_only, num_warps=4,
     )

@@ -118,11 +118,12 @@ def latent_attention_kernel(
         part = (b * num_m_tiles + mt) * NUM_SPLITS + split
         r = tl.arange(0, BLOCK_M)
         acc_rows = (part_acc_ptr + (part * BLOCK_M + r) * (2 * BLOCK_HALF))[:, None]
-        all_rows = r < BLOCK_M
-        _store_columns(acc_rows, acc_lo, all_rows, HALF, BLOCK_HALF)
-        _store_columns(acc_rows + HALF, acc_hi, all_rows, HALF, BLOCK_HALF)
-        tl.store(part_m_ptr + part * BLOCK_M + r, m_i)
-        tl.store(part_l_ptr + part * BLOCK_M + r, l_i)
+        # Rows past the request's tokens (most of a decode tile at a rank's 8 heads) are never
+        # merged: not written.
+        _store_columns(acc_rows, acc_lo, row_ok, HALF, BLOCK_HALF)
+        _store_columns(acc_rows + HALF, acc_hi, row_ok, HALF, BLOCK_HALF)
+        tl.store(part_m_ptr + part * BLOCK_M + r, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part * BLOCK_M + r, l_i, mask=row_ok)
 
 
 def latent_tile(v_dim: int) -> dict:

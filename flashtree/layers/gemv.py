@@ -7,11 +7,14 @@ with `F.linear`. Results equal `F.linear`'s up to float32 summation order."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 _BLOCK_N, _BLOCK_K, _WARPS, _STAGES = 8, 512, 4, 3  # see benchmarks/kernels.py --sections gemv
+_SHORT_BLOCK_K = 1024
 
 
 @triton.jit
@@ -45,7 +48,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     x_row = x.reshape(k).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, _BLOCK_N),)](x_row, weight, y, n, k, weight.stride(0),
-                                              BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-                                              num_warps=_WARPS, num_stages=_STAGES)
+    block_n, block_k = launch_shape(n, x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x_row, weight, y, n, k, weight.stride(0),
+                                             BLOCK_N=block_n, BLOCK_K=block_k,
+                                             num_warps=_WARPS, num_stages=_STAGES)
     return y
+
+
+def launch_shape(n: int, device: torch.device) -> tuple[int, int]:
+    """(rows, columns) a program streams per step: _BLOCK_N x _BLOCK_K, or one row x
+    _SHORT_BLOCK_K for a matrix whose _BLOCK_N-row programs would not fill two per SM (a
+    rank's share of a projection, a LoRA-down: faster there on an H100,
+    `python -m benchmarks.kernels --sections gemv --gemv-shapes kimi-tp8`)."""
+    if -(-n // _BLOCK_N) <= 2 * _num_sms(device):
+        return 1, _SHORT_BLOCK_K
+    return _BLOCK_N, _BLOCK_K
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """The device's SMs; on the interpreter, enough that tests take every block size."""
+    if device.type != "cuda":
+        return 16
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -45,16 +45,16 @@ class MLAttention(nn.Module):
         self.num_heads = cfg.num_heads // tp  # this rank's heads
         self.num_kv_heads = 1  # the shared latent
         bias = cfg.qkv_bias
-        q_out = cfg.num_heads * m.qk_head_dim
+        q_out, kv_a = cfg.num_heads * m.qk_head_dim, m.kv_lora_rank + m.qk_rope_head_dim
         if m.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(cfg.hidden_size, [q_out])
-        else:
-            self.q_a_proj = ColumnParallelLinear(cfg.hidden_size, [m.q_lora_rank], bias,
-                                                 replicas=[tp])
+            self.kv_a_proj_with_mqa = ColumnParallelLinear(cfg.hidden_size, [kv_a], bias,
+                                                           replicas=[tp])
+        else:  # q_a and kv_a read the same x: one matrix (`fused_qkv_a`), one launch
+            self.qkv_a_proj = ColumnParallelLinear(cfg.hidden_size, [m.q_lora_rank, kv_a],
+                                                   bias, replicas=[tp, tp])
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, [q_out])
-        self.kv_a_proj_with_mqa = ColumnParallelLinear(
-            cfg.hidden_size, [m.kv_lora_rank + m.qk_rope_head_dim], bias, replicas=[tp])
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(
             m.kv_lora_rank, [cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim)])
@@ -67,12 +67,13 @@ class MLAttention(nn.Module):
         # x: [n, hidden]; rope: cos, sin [n, 1, qk_rope_head_dim]
         m, n, heads = self.m, x.shape[0], self.num_heads
         if m.q_lora_rank is None:
-            q = self.q_proj(x)
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a, kv_a = self.qkv_a_proj(x).split([m.q_lora_rank, m.latent_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_pe = q.view(n, heads, m.qk_head_dim).split(
             [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        c, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c).view(n, 1, m.kv_lora_rank)
         k_pe = k_pe.reshape(n, 1, m.qk_rope_head_dim)
         if m.rope_interleave:
@@ -99,6 +100,13 @@ class DeepseekV3Layer(MoEDecoderLayer):
 class DeepseekV3Model(DecoderModel):
     layer_cls = DeepseekV3Layer
     stacked = {".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        assert cfg.mla is not None
+        if cfg.mla.q_lora_rank is not None:  # MLAttention's fused q_a / kv_a
+            self.stacked = {**self.stacked, ".q_a_proj": (".qkv_a_proj", 0),
+                            ".kv_a_proj_with_mqa": (".qkv_a_proj", 1)}
 
     def kv_cache_dims(self) -> tuple[int, int, int]:
         assert self.cfg.mla is not None

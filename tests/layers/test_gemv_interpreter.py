@@ -48,7 +48,7 @@ def random_case(n: int, k: int, dtype: torch.dtype, seed: int):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k", [(7, 1000), (13, 129), (64, 1024), (200, 576)])
+@pytest.mark.parametrize("n,k", [(7, 1000), (13, 129), (64, 1024), (200, 576), (300, 257)])
 def test_one_row_matches_float64(dtype, n, k):
     """Fewer rows than a block, a partial last row block, K below one block, a partial last
     K block, and exact multiples of both (blocks of 8 rows by 512 columns)."""

@@ -134,7 +134,7 @@ def test_shards_are_the_full_shapes_cut_as_the_layout_says(bf16_share):
         assert attn.kv_b_proj.weight.shape == (heads * (m.qk_nope_head_dim + m.v_head_dim),
                                                m.kv_lora_rank)
         assert attn.o_proj.weight.shape == (h, heads * m.v_head_dim)
-        assert attn.kv_a_proj_with_mqa.weight.shape == (m.latent_dim, h)  # replicated
+        assert attn.qkv_a_proj.weight.shape == (m.q_lora_rank + m.latent_dim, h)  # replicated
         if not moe.sparse_layers[i]:
             continue
         mlp = layer.mlp
