@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from flashtree.distributed import destroy_tp, init_tp, tp_broadcast_object
 
-_STEP = [("step",)]  # the usual command list: one step, nothing added or aborted
+_STEP = [("step", None)]  # one step, nothing added or aborted, no policy decision to follow
 
 
 class TPGroupStopped(RuntimeError):
@@ -48,6 +48,7 @@ class TPGroup:
     size: int
     processes: list = field(default_factory=list)  # rank r is processes[r - 1]
     closed: bool = False
+    last_sent: list = field(default_factory=lambda: _STEP)  # a repeat sends only a header
 
     @staticmethod
     def start(size: int, build_engine: Callable[[dict], Any], engine_kwargs: dict,
@@ -94,7 +95,8 @@ class TPGroup:
             raise TPGroupStopped("the tensor-parallel group is stopped")
         self.raise_if_dead()
         try:
-            tp_broadcast_object(ops, usual=_STEP)
+            tp_broadcast_object(ops, usual=self.last_sent)
+            self.last_sent = ops
         except Exception as e:
             self.stop(e)
 
@@ -148,7 +150,11 @@ class TPDriverEngine:
         self._group.send(ops)
 
     def step(self):
-        ops, self._ops = [*self._ops, *_STEP], []
+        # The adaptive policy's decision rides in the step's command (no collective of its
+        # own); it changes seldom, so most steps repeat the last command list: a header only.
+        policy = self._engine.policy
+        decisions = None if policy is None else policy.decisions()
+        ops, self._ops = [*self._ops, ("step", decisions)], []
         self._group.send(ops)
         try:
             return self._engine.step()
@@ -169,8 +175,10 @@ class TPDriverEngine:
 def serve_steps(engine) -> None:
     """A worker's loop: replay rank 0's commands until it shuts down."""
     seqs: dict = {}
+    last = _STEP  # what rank 0 sent last: its repeat arrives as a header only
     while True:
-        for op in tp_broadcast_object(usual=_STEP):
+        last = tp_broadcast_object(usual=last)
+        for op in last:
             kind = op[0]
             if kind == "add":
                 seq = engine.add_request(op[1], op[2])
@@ -182,6 +190,8 @@ def serve_steps(engine) -> None:
             elif kind == "call":
                 op[1](engine, *op[2])
             elif kind == "step":
+                if op[1] is not None:
+                    engine.policy = op[1]  # rank 0's decisions (`policy.FollowedPolicy`)
                 engine.step()  # an error here ends this worker; rank 0 reports its rank
                 seqs = {i: s for i, s in seqs.items() if not s.is_finished}
             elif kind == "shutdown":

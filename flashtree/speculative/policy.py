@@ -19,8 +19,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from flashtree.distributed import tp_broadcast_object, tp_group_active
-
 _TIMED_STEPS = 16  # recent step times per kind and size class; their median is the step's time
 _MIN_TIMED = 4  # timed steps of each kind before a verdict
 _ACCEPT_WINDOW = 64  # speculative steps the acceptance average spans (acceptance is noisy)
@@ -30,6 +28,7 @@ _ACCEPT_WINDOW = 64  # speculative steps the acceptance average spans (acceptanc
 _PROBE_SHARE = 1 / 32
 _MAX_BACKOFF = 1024
 _RETIME_EVERY = 64  # speculative steps between two plain steps that re-time plain decoding
+_CLASSES = tuple(1 << i for i in range(13))  # the size classes a decision covers: 1 .. 4096
 
 
 @dataclass(frozen=True)
@@ -49,6 +48,10 @@ class SpecPolicy(Protocol):
 
     def observe(self, result: StepResult) -> None: ...
 
+    def decisions(self) -> FollowedPolicy:
+        """What this policy's next step plans at each size class, for other ranks to follow."""
+        ...
+
 
 @dataclass
 class FixedPolicy:
@@ -59,6 +62,29 @@ class FixedPolicy:
 
     def observe(self, result: StepResult) -> None:
         pass
+
+    def decisions(self) -> FollowedPolicy:
+        return FollowedPolicy(self.budget, frozenset(_CLASSES))
+
+
+@dataclass(frozen=True)
+class FollowedPolicy:
+    """Another policy's decisions for the next steps: its budget at the size classes in
+    `speculating`, a plain step at the others. Step times differ between tensor-parallel ranks,
+    so rank 0's policy decides for all: each step's command carries its `decisions()`, and the
+    other ranks plan by them."""
+
+    budget: int
+    speculating: frozenset[int]
+
+    def plan(self, requests: int) -> int:
+        return self.budget if size_class_of(requests) in self.speculating else 0
+
+    def observe(self, result: StepResult) -> None:
+        pass
+
+    def decisions(self) -> FollowedPolicy:
+        return self
 
 
 def size_class_of(requests: int) -> int:
@@ -99,8 +125,6 @@ class AdaptivePolicy:
         self.budget = budget
         self.size_classes: dict[int, _SizeClass] = {}
         self._last_speculative: bool | None = None
-        # Step times differ between tensor-parallel ranks: rank 0 decides for all of them.
-        self._broadcast = tp_group_active()
 
     def at(self, requests: int) -> _SizeClass:
         key = size_class_of(requests)
@@ -123,11 +147,16 @@ class AdaptivePolicy:
             return _SizeClass(plain_left=0)
         return _SizeClass()
 
+    def decisions(self) -> FollowedPolicy:
+        """What the next step plans at each size class (a new class as `at` would start it,
+        without keeping it)."""
+        return FollowedPolicy(self.budget, frozenset(
+            k for k in _CLASSES if self.size_classes.get(k, self._new_size_class(k)).plain_left
+            == 0))
+
     def plan(self, requests: int) -> int:
         size_class = self.at(requests)
         speculate = size_class.plain_left == 0
-        if self._broadcast:
-            speculate = tp_broadcast_object(speculate, usual=True)
         if not speculate:
             size_class.plain_left = max(0, size_class.plain_left - 1)
         return self.budget if speculate else 0
