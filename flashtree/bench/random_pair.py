@@ -93,7 +93,8 @@ def _random(name: str, shape: torch.Size, gen: torch.Generator, residual_scale: 
 
 def fill_random(module: torch.nn.Module, gen: torch.Generator, residual_scale: float = 1.0,
                 skip: tuple[str, ...] = (), int4_group: int = 0) -> None:
-    """Every parameter of `module` (but `skip`'s and INT4 shapes) by `_random`'s rule."""
+    """Every parameter of `module` by `_random`'s rule, but those under `skip` and the INT4
+    `weight_shape`s."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if not name.startswith(skip) and not name.endswith("weight_shape"):  # kept as built
@@ -151,7 +152,7 @@ def random_target(shape: dict, dtype: torch.dtype, device: torch.device | str, s
     gen = torch.Generator(device).manual_seed(seed)
     model = _build(lambda: model_class(cfg)(cfg), dtype, device)
     fill_random(model, gen, _TARGET_RESIDUAL_SCALE, skip=("embed_tokens", "lm_head"),
-          int4_group=int4_group)
+                int4_group=int4_group)
     emb = model.embed_tokens
     rows = emb.vocab_end - emb.vocab_start  # this rank's real ids (not the last slice's pad)
     _decisive_head(emb.weight[:rows], model.lm_head.weight[:rows], gen)
