@@ -49,6 +49,14 @@ def key_range(phase: tl.constexpr, split, lo, ctx_len, kv_len, last_tok,
     return begin, end
 
 
+@triton.jit
+def _rows(ptr, valid, other, MASKED: tl.constexpr):
+    # A partials load: of the valid rows alone where only those were written.
+    if MASKED:
+        return tl.load(ptr, mask=valid, other=other)
+    return tl.load(ptr)
+
+
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_ptr,
@@ -71,20 +79,21 @@ def _merge_splits_kernel(
     first = ((b * num_kv_heads + kvh) * num_m_tiles + mt) * NUM_SPLITS
 
     valid = tok < q_len
-    # WRITTEN_ROWS_ONLY: the kernel wrote partials for the valid rows alone; read no others.
-    read = valid if WRITTEN_ROWS_ONLY else r < BLOCK_M
     split = tl.arange(0, BLOCK_SPLITS)
+    first_ok = (split < NUM_SPLITS)[:, None]
+    if WRITTEN_ROWS_ONLY:  # the kernel wrote the valid rows' partials alone: read no others
+        first_ok = first_ok & valid[None, :]
     m = tl.max(tl.load(part_m_ptr + (first + split)[:, None] * BLOCK_M + r[None, :],
-                       mask=(split < NUM_SPLITS)[:, None] & read[None, :], other=NO_SCORE),
-               axis=0)
+                       mask=first_ok, other=NO_SCORE), axis=0)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DC], tl.float32)
     for s in range(NUM_SPLITS):
         part = first + s
-        w = tl.exp2(tl.load(part_m_ptr + part * BLOCK_M + r, mask=read, other=NO_SCORE) - m)
-        l_sum += w * tl.load(part_l_ptr + part * BLOCK_M + r, mask=read, other=0.0)
-        acc += w[:, None] * tl.load(part_acc_ptr + (part * BLOCK_M + r)[:, None] * BLOCK_D
-                                    + d[None, :], mask=read[:, None], other=0.0)
+        w = tl.exp2(_rows(part_m_ptr + part * BLOCK_M + r, valid, NO_SCORE,
+                          WRITTEN_ROWS_ONLY) - m)
+        l_sum += w * _rows(part_l_ptr + part * BLOCK_M + r, valid, 0.0, WRITTEN_ROWS_ONLY)
+        acc += w[:, None] * _rows(part_acc_ptr + (part * BLOCK_M + r)[:, None] * BLOCK_D
+                                  + d[None, :], valid[:, None], 0.0, WRITTEN_ROWS_ONLY)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],

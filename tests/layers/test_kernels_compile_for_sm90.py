@@ -31,6 +31,7 @@ STREAMING = ["gemv"] + [f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", 
 CASES = [f"moe:{k}:{w}" for k in ("_gate_up_kernel", "_down_kernel")
          for w in ("bf16", "int4", "fp8", "int4-per-pair")] + [
     "moe:_gate_up_kernel:int4-split", "moe:_split_activation_kernel:bf16", "grouping",
+    "merge:all-rows", "merge:written-rows",
     "router:kimi", "router:deepseek", "attention:dense", "attention:mla", *STREAMING]
 
 
@@ -147,6 +148,17 @@ def grouping_case(tmp_path: Path) -> dict:
                       cursor_ptr="i64"), tmp_path, 8)
 
 
+def merge_case(written_rows_only: bool, tmp_path: Path) -> dict:
+    """The context splits' merge as GQA decode (all rows written) and MLA (real rows only)."""
+    from flashtree.attention.triton_common import _merge_splits_kernel
+
+    constants = dict(GROUP=8, HEAD_DIM=512, BLOCK_D=512, BLOCK_DC=64, BLOCK_M=64, NUM_SPLITS=4,
+                     BLOCK_SPLITS=4, WRITTEN_ROWS_ONLY=written_rows_only)
+    return compile_sm90(_merge_splits_kernel, constants,
+                        dict(out_ptr="bf16", part_acc_ptr="fp32", part_m_ptr="fp32",
+                             part_l_ptr="fp32", query_start_ptr="i64"), tmp_path)
+
+
 def router_case(model: str, tmp_path: Path) -> dict:
     """The fused router at Kimi K2.6's shape (384 sigmoid experts with the correction bias, no
     groups, top 8) or DeepSeek-V3's (256 experts in 8 groups, the 4 best kept, top 8)."""
@@ -236,6 +248,8 @@ def main() -> None:
                 out[case] = moe_case(rest[0], rest[1], Path(tmp))
             elif kind == "grouping":
                 out[case] = grouping_case(Path(tmp))
+            elif kind == "merge":
+                out[case] = merge_case(rest[0] == "written-rows", Path(tmp))
             elif kind == "router":
                 out[case] = router_case(rest[0], Path(tmp))
             elif kind == "gemv":
