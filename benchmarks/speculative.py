@@ -46,8 +46,10 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.bench.floors import copy_bandwidth, floor_ms, step_floor_bytes, weight_bytes
+from flashtree.bench.guard import compare, last_results
 from flashtree.bench.oracle import AcceptanceOracle, expected_tree_acceptance
 from flashtree.bench.peer import CompiledPeer
+from flashtree.bench.plots import speedup_plot
 from flashtree.bench.profile import profile_calls, profile_lines
 from flashtree.bench.random_pair import (
     DRAFTER_LAYOUT,
@@ -83,13 +85,6 @@ PAPER_DFLASH_TAU = 6.6  # DFlash paper, Qwen3-8B, GSM8K
 PAPER_DDTREE_TAU = 9.54  # DDTree paper, Qwen3-8B on GSM8K: 6.57 -> 9.54
 CALIBRATION_BUDGET = 255  # the DDTree paper's best budgets on Qwen3-8B were 256-512 nodes
 CURVE_TAUS = (2, 3, 4, 5, 6.6, 8, 10, 12)  # chain acceptances of the plot's oracle settings
-# (acceptance, speedup over autoregressive, source) published for Qwen3-8B.
-PAPER_POINTS = {
-    "dflash": [(6.6, 4.8, "DFlash paper, GSM8K"), (7.8, 5.6, "DFlash paper, MATH-500")],
-    "ddtree": [(9.54, 6.75, "DDTree paper, GSM8K"), (10.7, 7.5, "DDTree paper, MATH-500")],
-}
-SGLANG_POINTS = [(6.35, 846, "SGLang DFlash, B200, c=1"),
-                 (6.35, 1162, "SGLang DFlash + overlap, B200, c=1")]
 GOAL_KEYS = ("ar_step_over_floor", "ar_speed_over_compiled_peer", "draft_over_ar_step",
              "verify16_over_ar_step", "verify64_over_ar_step", "dflash_over_none_c1",
              "ddtree_over_none_c1", "ddtree_over_dflash_c1", "gpu_busy_spec_step",
@@ -899,42 +894,6 @@ SECTION_LINES = {"steps": _steps_lines, "verify": _verify_lines, "c1": _c1_lines
                  "pair": _pair_lines, "acceptance": _acceptance_lines}
 
 
-def plot(res: dict, path: Path) -> None:
-    """Speedup over none against acceptance (chain and tree curves, papers' points) and
-    tokens/s against acceptance (SGLang's published B200 points)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    c1 = res["c1"]
-    none = c1["none"]["tokens_per_s"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, label, marker in (("curve_dflash", "flashtree DFlash chain", "o"),
-                               ("curve_ddtree", f"flashtree DDTree ({c1['best_budget']} nodes)",
-                                "s")):
-        pts = sorted((p["tau"], p["tokens_per_s"]) for p in c1[key])
-        ax.plot([t for t, _ in pts], [v / none for _, v in pts], marker=marker, label=label)
-        bx.plot([t for t, _ in pts], [v for _, v in pts], marker=marker, label=label)
-    for method, marker in (("dflash", "^"), ("ddtree", "v")):
-        for tau, speedup, source in PAPER_POINTS[method]:
-            ax.scatter([tau], [speedup], marker=marker, s=60, color="black")
-            ax.annotate(source, (tau, speedup), fontsize=7, xytext=(4, -10),
-                        textcoords="offset points")
-    for tau, rate, source in SGLANG_POINTS:
-        bx.scatter([tau], [rate], marker="*", s=90, color="black")
-        bx.annotate(source, (tau, rate), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    bx.axhline(none, color="gray", linestyle=":", label="flashtree none")
-    ax.set(xlabel="tokens per step (acceptance)", ylabel="speedup over none (tokens/s)",
-           xlim=(0, 14), ylim=(0, None), title=f"Concurrency 1, {res.get('shape')}-shaped target")
-    bx.set(xlabel="tokens per step (acceptance)", ylabel="tokens/s", xlim=(0, 14),
-           ylim=(0, None), title="Tokens/s (SGLang points: B200, real Qwen3-8B)")
-    ax.legend(fontsize=8)
-    bx.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="steps,calibrate,c1,profile",
@@ -995,9 +954,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results") /
                     f"{datetime.date.today()}-speculative.md")
     ap.add_argument("--plot", type=Path, help="draw the plot of this JSON and exit")
+    ap.add_argument("--guard", nargs="?", const="last", help="steps against a committed JSON "
+                    "(default: the last of this shape, depth, layout and GPU); exit 1 if slower")
+    ap.add_argument("--guard-tolerance", type=float, default=0.03)
     args = ap.parse_args()
     if args.plot:
-        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        speedup_plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return
     sections = args.sections.split(",")
     if unknown := set(sections) - set(SECTIONS):
@@ -1023,6 +985,25 @@ def main() -> None:
     with share:
         run_sections(bench, sections, res, save)
     print(f"report: {args.out.with_suffix('.md')}\njson:   {path}")
+    if args.guard and not guard(json.loads(path.read_text()), args.guard, path,
+                                args.guard_tolerance):
+        raise SystemExit(1)
+
+
+def guard(run: dict, against: str, path: Path, tolerance: float) -> bool:
+    """Print this run's steps against `against` (a JSON, or "last": the last committed of the
+    same shape, depth, layout and GPU); False if one is slower by more than `tolerance`."""
+    before = last_results(run, exclude=path) if against == "last" else Path(against)
+    if before is None or "steps" not in run:
+        print("guard: nothing to compare (no steps, or no committed run of this shape, depth, "
+              "layout and GPU)")
+        return True
+    rows = compare(run["steps"], json.loads(before.read_text())["steps"], tolerance)
+    print(f"guard against {before}:")
+    for r in rows:
+        print(f"  {r['step']}: {r['before_ms']:.3f} -> {r['now_ms']:.3f} ms ({r['ratio']:.3f}x)"
+              + ("  SLOWER" if r["slower"] else ""))
+    return not any(r["slower"] for r in rows)
 
 
 def run_sections(bench: Bench, sections: list[str], res: dict, save) -> None:
