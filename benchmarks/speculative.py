@@ -24,6 +24,8 @@ tokens/s are decode-phase rates (from a request's `--skip`-th token on).
     python -m benchmarks.speculative --sections sweep --rounds 2
     python -m benchmarks.speculative --shape qwen3-30b-a3b --sections steps --batches 1,8,32,128
     python -m benchmarks.speculative --shape deepseek-v3 --layers 2 --first-dense 1 --sections steps
+    python -m benchmarks.speculative --shape kimi-k2.6 --layout tp8 --dflash-tau 5.0 \
+        --ddtree-tau 7.0 --budgets 7,15,31,63 --sections steps,calibrate,c1,profile,verify
     python -m benchmarks.speculative --plot benchmarks/results/DATE-speculative.json
     python -m benchmarks.speculative --shape tiny --device cpu --dtype float32 --out /tmp/s.md
 
