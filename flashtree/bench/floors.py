@@ -67,7 +67,6 @@ class ExpertsTouched:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
-        self.routers = [m.gate for m in self.layers]
         self.per_expert = expert_bytes(self.layers[0]) if self.layers else 0
         self.total, self._hooks = 0, []
 
@@ -103,7 +102,7 @@ def step_floor_bytes(llm: LLM, run, kv_tokens: int) -> int:
     tokens of KV."""
     model = llm.engine.runner.model
     touched = ExpertsTouched(model)
-    if touched.routers:
+    if touched.layers:
         with touched, eager(llm), torch.inference_mode():
             run()
     return (weight_bytes(model)[1] + touched.total * touched.per_expert

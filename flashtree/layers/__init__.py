@@ -1,3 +1,5 @@
+import functools
+
 import torch
 
 
@@ -17,3 +19,13 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
             y = gemv(x, weight)
             return y if bias is None else y + bias
     return torch.nn.functional.linear(x, weight, bias)
+
+
+@functools.cache
+def programs_to_fill(device: torch.device) -> int:
+    """Programs that keep every SM of `device` busy (two per SM), for kernels that size their
+    grids to it; on the interpreter a small count, so that tests take small shapes through
+    every launch shape."""
+    if device.type != "cuda":
+        return 32
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count

@@ -14,13 +14,13 @@ TRITON_INTERPRET=1 runs it on CPU tensors in tests."""
 
 from __future__ import annotations
 
-from functools import cache
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from flashtree.layers import programs_to_fill
 from flashtree.layers.moe_align import BLOCK_M, align_by_expert
 from flashtree.layers.stacked_experts import StackedExperts
 
@@ -185,22 +185,13 @@ def default_tiles(experts: StackedExperts) -> Tiles:
     return Tiles(block_k=256) if experts.group else Tiles()
 
 
-@cache
-def _programs_to_fill(device: torch.device) -> int:
-    """Programs that keep every SM of `device` busy (two per SM); on the interpreter, enough
-    that tests split small shapes."""
-    if device.type != "cuda":
-        return 64
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def split_k(pairs: int, local_experts: int, routed_experts: int, col_blocks: int,
             k_blocks: int, device: torch.device) -> int:
     """How many programs share gate/up's input dim: enough that the blocks the pairs are
     expected to occupy (pairs spread uniformly over the routed experts, this rank holding
     `local_experts` of them) fill the GPU."""
     busy = max(1, min(local_experts, -(-pairs * local_experts // routed_experts)))
-    return max(1, min(k_blocks, _programs_to_fill(device) // (busy * col_blocks)))
+    return max(1, min(k_blocks, programs_to_fill(device) // (busy * col_blocks)))
 
 
 def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,

@@ -7,11 +7,11 @@ with `F.linear`. Results equal `F.linear`'s up to float32 summation order."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from flashtree.layers import programs_to_fill
 
 _BLOCK_N, _BLOCK_K, _WARPS, _STAGES = 8, 512, 4, 3  # see benchmarks/kernels.py --sections gemv
 _SHORT_BLOCK_K = 1024
@@ -60,14 +60,6 @@ def launch_shape(n: int, device: torch.device) -> tuple[int, int]:
     _SHORT_BLOCK_K for a matrix whose _BLOCK_N-row programs would not fill two per SM (a
     rank's share of a projection, a LoRA-down: faster there on an H100,
     `python -m benchmarks.kernels --sections gemv --gemv-shapes kimi-tp8`)."""
-    if -(-n // _BLOCK_N) <= 2 * _num_sms(device):
+    if -(-n // _BLOCK_N) <= programs_to_fill(device):
         return 1, _SHORT_BLOCK_K
     return _BLOCK_N, _BLOCK_K
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """The device's SMs; on the interpreter, enough that tests take every block size."""
-    if device.type != "cuda":
-        return 16
-    return torch.cuda.get_device_properties(device).multi_processor_count
