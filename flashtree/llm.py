@@ -126,7 +126,8 @@ class LLM:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda:0")
         try:
-            set_ep_size(expert_parallel_size)  # read by MoE layers as they are built
+            if _modules is None:  # read by MoE layers as they are built; modules come built
+                set_ep_size(expert_parallel_size)
             self._build(
                 model=model, draft=draft, modules=_modules, spec=spec, block_size=block_size,
                 tree_budget=tree_budget, topk_cap=topk_cap, dtype=dtype,

@@ -40,7 +40,7 @@ from flashtree.bench.shapes import (  # noqa: F401  (importable here)
     TINY,
     with_layers,
 )
-from flashtree.distributed import destroy_tp, get_ep_size, init_rank_share, set_ep_size
+from flashtree.distributed import destroy_tp, init_rank_share
 from flashtree.distributed.tp import free_port
 from flashtree.llm import LLM
 from flashtree.models.config import ModelConfig
@@ -236,11 +236,8 @@ def rank_llm(target: DecoderModel, cfg: ModelConfig, drafter: DFlashDraftModel |
              **options) -> LLM:
     """`LLM.from_modules` over a rank's share (`random_rank` inside `rank_share`): the engine
     of one TP rank, token ids in its vocab slice. `options`: LLM's arguments."""
-    ep = get_ep_size()
-    try:  # a TP member: the engine runs on the shard this process built, no workers
-        return LLM.from_modules(target, cfg, drafter, _tp_member=True, **options)
-    finally:
-        set_ep_size(ep)  # LLM() sets its own (1); the share's stays what the layers were built for
+    # A TP member: the engine runs on the shard this process built, no workers.
+    return LLM.from_modules(target, cfg, drafter, _tp_member=True, **options)
 
 
 def top2_gaps(logits: torch.Tensor) -> torch.Tensor:
