@@ -81,6 +81,13 @@ def captures_graphs(llm: LLM) -> bool:
     return graphs is not None and graphs.use_cuda_graphs
 
 
+def embedded_tokens(llm: LLM) -> int:
+    """How many token ids, from 0, this process embeds: the whole vocabulary, or under a rank
+    share its slice (rank 0's, from id 0). Ids past it embed to zero on a group of one, which
+    makes every router tie, so scratch inputs draw from this range."""
+    return llm.engine.runner.model.embed_tokens.vocab_end
+
+
 def step_ms(llm: LLM, fn: Callable[[], object], reps: int, drafter: bool = False,
             warmup: int = 3) -> float:
     """Median ms of `fn`, one forward through `llm`'s target runner (or the drafter's runner,
@@ -124,7 +131,7 @@ class Scratch:
     def decode(self, batch: int, ctx: int) -> Callable[[], object]:
         """One DECODE forward of `batch` requests after `ctx` tokens, each on its own random
         token (a MoE batch then routes to as many experts as a real one)."""
-        gen, vocab = random.Random(batch), self.llm.model_config.vocab_size
+        gen, vocab = random.Random(batch), embedded_tokens(self.llm)
         items = [BatchItem(sid, ctx, [gen.randrange(vocab - 1)])
                  for sid in self.take(batch, ctx, 1)]
         return lambda: self.llm.engine.runner.forward(Mode.DECODE, items)
@@ -132,7 +139,7 @@ class Scratch:
     def verify(self, tokens: int, ctx: int, tree: bool) -> Callable[[], object]:
         """One VERIFY forward at batch 1 after `ctx` tokens, every logit scored: a random tree
         of `tokens` nodes (depth < 16, as a block-16 DDTree's) or a chain."""
-        rng, vocab = random.Random(tokens), self.llm.model_config.vocab_size
+        rng, vocab = random.Random(tokens), embedded_tokens(self.llm)
         sid, tree_kw = self.take(1, ctx, tokens)[0], {}
         if tree:
             parent, depth = random_tree(tokens, rng)
@@ -169,7 +176,7 @@ def engine_step_ms(llm: LLM, batch: int, ctx: int, steps: int) -> tuple[float, f
     """(median wall ms of one `engine.step()`, mean tokens committed per request per step) with
     `batch` greedy requests of `ctx` random prompt tokens, after their prefill; host work,
     scheduling and (under tensor parallelism) the broadcast included."""
-    eng, vocab = llm.engine, llm.model_config.vocab_size
+    eng, vocab = llm.engine, embedded_tokens(llm)
     gen = torch.Generator().manual_seed(batch)
     sp = SamplingParams(temperature=0, max_tokens=steps * 20 + 50, ignore_eos=True)
     seqs = [eng.add_request(torch.randint(0, vocab - 1, (ctx,), generator=gen).tolist(), sp)

@@ -255,6 +255,27 @@ def _decode_alike(layout, tp, ep, target, cfg, drafter, monkeypatch) -> None:
     assert gathers and all(n == m for n, m in gathers)
 
 
+def test_scratch_steps_route_like_real_tokens():
+    """The benchmarks' scratch decode and verify draw tokens the share embeds: ids past its
+    vocab slice embed to zero in a group of one, and zero router inputs tie every expert."""
+    from flashtree.bench.timing import Scratch
+    from flashtree.layers.moe import SparseMoE
+
+    with rank_share("tp4"):
+        target, cfg, drafter = random_rank("tiny-mla", torch.float32, "cpu", int4_group=GROUP,
+                                           moe_intermediate_size=MOE_INTER)
+        llm = rank_llm(target, cfg, drafter, spec="dflash", block_size=BLOCK, max_num_seqs=8,
+                       max_model_len=256)
+        inputs = []
+        for layer in (m for m in target.modules() if isinstance(m, SparseMoE)):
+            layer.gate.register_forward_hook(lambda _m, i, _o: inputs.append(i[0]))
+        with Scratch(llm) as scratch:
+            scratch.decode(8, 32)()
+            scratch.verify(8, 32, tree=False)()
+            scratch.verify(8, 32, tree=True)()
+        assert inputs and all((x.norm(dim=-1) > 0).all() for x in inputs)
+
+
 def test_share_layout_refusals():
     for bad in ("tp", "ep8ep2", "pp8", "tp8ep"):
         with pytest.raises(ValueError, match="layout"):
