@@ -21,16 +21,16 @@ def vocab_argmax(local: torch.Tensor, vocab_start: int) -> torch.Tensor:
 
 def vocab_topk_logprobs(local: torch.Tensor, k: int, vocab_start: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """local: [..., V_rank] logits -> (log-probabilities [..., k] float64 under the full
+    """local: [..., V_rank] logits -> (log-probabilities [..., k] float32 under the full
     vocabulary's softmax, token ids [..., k]), sorted descending; as `spec.tree.topk_logprobs`, the
-    top-k runs on the logits as given and only the winners and the normaliser are float64."""
+    top-k runs on the logits as given and only the winners and the normaliser are float32."""
     kk = min(k, local.shape[-1])
     value, index = local.topk(kk, dim=-1)
-    lse = torch.logsumexp(local.double(), dim=-1)  # [...] this rank's slice
+    lse = torch.logsumexp(local.float(), dim=-1)  # [...] this rank's slice
     if get_tp_size() == 1:
-        return value.double() - lse[..., None], index
+        return value.float() - lse[..., None], index
     lse = torch.logsumexp(tp_all_gather(lse), dim=0)
-    value = value.double()
+    value = value.float()
     pad = k - kk  # a slice narrower than k (the last one of an odd vocabulary)
     if pad:
         value = torch.cat([value, value.new_full((*value.shape[:-1], pad), -torch.inf)], -1)

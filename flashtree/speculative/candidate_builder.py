@@ -71,7 +71,7 @@ class CandidateBuilder:
         stall that step."""
         depth, k = self.cfg.block_size - 1, self._topk
         for rows in buckets:
-            top_lp = torch.zeros(rows, depth, k, dtype=torch.float64, device=self.device)
+            top_lp = torch.zeros(rows, depth, k, dtype=torch.float32, device=self.device)
             top_tok = torch.zeros(rows, depth, k, dtype=torch.long, device=self.device)
             roots = torch.zeros(rows, dtype=torch.long, device=self.device)
             self.tree_nodes(top_lp, top_tok, roots, budget=self.cfg.tree_budget)

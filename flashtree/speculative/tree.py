@@ -6,18 +6,15 @@ its descendants, so the top-`budget` prefixes form a prefix-closed tree (DDTree,
 only the top-K tokens of each position can appear (Lemma 1, K = min(budget, vocab, topk_cap)).
 The selection runs level by level as tensor ops: any selected node at depth d has its parent
 among the top-`budget` nodes of depth d - 1, so keeping the top `budget` candidates per depth and
-then the top `budget` overall is exact (ties broken towards shallower nodes)."""
+then the top `budget` overall is exact. Scores are float32, the drafter's working precision or
+finer; a child's key is kept strictly below its parent's, so a tie never selects a node without
+its parent, and trees equal float64 trees up to keys within float32 rounding."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-# Tie-break: a node's key is its log-probability minus depth * this, so a parent always ranks
-# strictly above its children even when a child has probability one.
-_DEPTH_TIEBREAK = 1e-9
-
 
 @dataclass
 class DraftTrees:
@@ -32,12 +29,11 @@ class DraftTrees:
 
 
 def topk_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., V] logits -> the k largest full-vocabulary log-probabilities (float64) and ids.
-    The top-k runs on the logits as given (the log-softmax keeps their order, and a float64
-    top-k over the vocabulary costs twice the radix passes); only the winners and the
-    normaliser are float64."""
+    """[..., V] logits -> the k largest full-vocabulary log-probabilities (float32) and ids.
+    The top-k runs on the logits as given (the log-softmax keeps their order); only the winners
+    and the normaliser are float32."""
     value, index = draft_logits.topk(k, dim=-1)
-    return value.double() - torch.logsumexp(draft_logits.double(), dim=-1, keepdim=True), index
+    return value.float() - torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True), index
 
 
 def build_trees_from_topk(
@@ -50,13 +46,13 @@ def build_trees_from_topk(
 
 @dataclass
 class BestFirstLevels:
-    """Per depth d, the keys (path log-probability, minus the depth tie-break) of the best W
-    prefixes of length d + 1, sorted descending, and their flat indices parent_rank * K + k
+    """Per depth d, the keys (path log-probability, kept strictly below the parent's) of the
+    best W prefixes of length d + 1, sorted descending, and their flat indices parent_rank * K + k
     into the previous depth's kept prefixes times the K tokens. Where fewer than W prefixes
     exist (shallow depths when K < W), the rest are padding with key -inf. The trees of every
     budget b <= W select from these (their nodes at any depth are among its best b)."""
 
-    keys: torch.Tensor  # [R, L, W] float64
+    keys: torch.Tensor  # [R, L, W], top_lp's dtype
     flat: torch.Tensor  # [R, L, W] int64
 
 
@@ -65,9 +61,10 @@ def best_first_levels(top_lp: torch.Tensor, width: int) -> BestFirstLevels:
     depth; L tensor steps, no host sync."""
     r, depth_max, k = top_lp.shape
     keys, flat = [], []
-    prev = torch.zeros(r, 1, dtype=torch.float64, device=top_lp.device)  # root key
+    prev = torch.zeros(r, 1, dtype=top_lp.dtype, device=top_lp.device)  # root key
     for d in range(depth_max):
-        cand = (prev[:, :, None] + top_lp[:, d, None, :] - _DEPTH_TIEBREAK).flatten(1)  # [R, P*K]
+        below_parent = torch.nextafter(prev, torch.full_like(prev, -torch.inf))[:, :, None]
+        cand = torch.minimum(prev[:, :, None] + top_lp[:, d, None, :], below_parent).flatten(1)
         if cand.shape[1] < width:
             cand = torch.nn.functional.pad(cand, (0, width - cand.shape[1]), value=-torch.inf)
         key, idx = cand.topk(width, dim=-1)

@@ -95,6 +95,49 @@ def test_smaller_budgets_from_shared_levels_are_the_best_prefixes(seed):
             assert got == _brute_force_top(logp[i], budget, None)
 
 
+@pytest.mark.parametrize("budget", [63, 255])
+def test_float32_trees_are_the_float64_trees_up_to_rounding(budget):
+    """The engine scores prefixes in float32; a float64 build of the same drafts selects the
+    same prefixes but where keys at the selection's edge lie within float32 rounding (at most
+    16 roundings of a sum of 15 log-probabilities and a normaliser), node for node."""
+    gen = torch.Generator().manual_seed(budget)
+    rows, depth, k = 6, 15, 16
+    logits = torch.randn(rows, depth, 4000, generator=gen) * 3
+    logp = torch.log_softmax(logits.double(), -1)
+    lp64, tok64 = logp.topk(k, dim=-1)
+    lp32, tok32 = topk_logprobs(logits, k)
+    assert lp32.dtype == torch.float32 and torch.equal(tok32, tok64)
+    roots = torch.arange(rows)
+    t32 = build_trees_from_topk(lp32, tok32, roots, budget)
+    t64 = build_trees_from_topk(lp64, tok64, roots, budget)
+    exact = 0
+    for i in range(rows):
+        paths32, paths64 = _tree_prefixes(t32, i), _tree_prefixes(t64, i)
+        assert len(paths32) == len(paths64) == budget + 1
+        score = {p: sum(logp[i, d, t].item() for d, t in enumerate(p))
+                 for p in set(paths32.values()) | set(paths64.values())}
+        edge = min(score[p] for p in paths64.values() if p)
+        tol = 16 * 2**-24 * (1 + abs(edge))
+        for p in set(paths32.values()) ^ set(paths64.values()):
+            assert abs(score[p] - edge) <= tol, (i, p, score[p], edge)
+        if paths32 == paths64:  # node for node: same tokens, parents and depths
+            exact += 1
+            for name in ("tokens", "parent", "depth"):
+                assert torch.equal(getattr(t32, name)[i], getattr(t64, name)[i]), name
+    assert exact >= rows - 1  # near-ties at the edge are rare
+
+
+def test_certain_drafts_keep_parents_before_children():
+    """A drafter sure of every slot gives log-probabilities that round to 0 in float32: keys tie
+    along the path unless each child is kept below its parent, and a budget would then select
+    deep nodes without their parents."""
+    logits = torch.full((1, 6, 5), -60.0)
+    logits[0, :, 2] = 60.0
+    for budget in (1, 3, 6):
+        trees = build_trees(logits, torch.tensor([0]), budget)
+        assert _tree_prefixes(trees, 0)[budget] == (2,) * budget  # the chain, in order
+
+
 def _naive_ancestors(parents: list[int], v: int) -> set[int]:
     seen = {v}
     while v:

@@ -39,7 +39,9 @@ def test_sharded_argmax_and_topk_equal_one_device():
     for rank in (0, 1):
         argmax, lp, ids = results[rank]
         assert argmax.tolist() == x.argmax(dim=-1).tolist() and argmax[:3].tolist() == [3, 50, 0]
-        torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-12)
+        assert lp.dtype == torch.float32  # a few float32 roundings of the normaliser and sum
+        atol = 8 * 2**-24 * (1 + want_lp.abs().max().item())
+        torch.testing.assert_close(lp.double(), want_lp, rtol=0, atol=atol)
         assert ids[3:].tolist() == want_ids[3:].tolist()  # no ties: the same order
         for r in (0, 1):  # a tie at the top: the same ids, tied ones in either order
             assert sorted(ids[r].tolist()) == sorted(want_ids[r].tolist())
