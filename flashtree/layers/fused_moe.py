@@ -4,12 +4,13 @@ A program multiplies a block of BLOCK_M (token, slot) pairs of one expert by a B
 that expert's weights: gate and up together with SiLU-and-multiply fused, then down with the
 routing weight fused; the top-k partial outputs of each token are summed last. At few pairs
 (decode, small verifies) each pair is a block of its own, read straight from the router's ids
-with no grouping launch; past that the pairs are grouped by expert on the device
-(`layers/moe_align.py`), each expert's run padded to BLOCK_M. Where the pairs touch too few
-experts to fill the GPU, gate/up splits its input dim over programs that write float32 partial
-sums, which one small kernel adds up under SiLU. Rounding follows the eager path
-(`layers/moe.py`): the projections and SiLU round to the activation dtype where its ops do, so
-results differ from it only in summation order. Used for CUDA tensors (`SparseMoE` chooses);
+with no grouping launch (INT4 experts: a GEMV of its own, `layers/moe_gemv.py`); past that the
+pairs are grouped by expert on the device (`layers/moe_align.py`), each expert's run padded to
+BLOCK_M. Where the pairs touch too few experts to fill the GPU, gate/up splits its input dim
+over programs that write float32 partial sums, which one small kernel adds up under SiLU.
+Rounding follows the eager path (`layers/moe.py`): the projections and SiLU round to the
+activation dtype where its ops do, so results differ from it only in summation order (and, in
+the INT4 GEMVs, the weights' rounding). Used for CUDA tensors (`SparseMoE` chooses);
 TRITON_INTERPRET=1 runs it on CPU tensors in tests."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from flashtree.layers import programs_to_fill
 from flashtree.layers.moe_align import BLOCK_M, align_by_expert
+from flashtree.layers.moe_gemv import pair_down_kernel, pair_gate_up_kernel, silu_mul
 from flashtree.layers.stacked_experts import StackedExperts
 
 PER_PAIR_MAX = 64  # at most this many pairs: a block per pair, no grouping launch
@@ -83,14 +85,6 @@ def _block_pairs(pairs_ptr, experts_ptr, local_ptr, num_pairs, num_experts,
 
 
 @triton.jit
-def _silu_mul(gate, up, dtype):
-    # silu(gate) * up from float32 sums, rounded to `dtype` where the eager ops round.
-    g = gate.to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (silu * up.to(dtype).to(tl.float32)).to(dtype)
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, local_ptr, num_pairs,
                     num_experts, top_k, hidden, inter, k_per_split, stride_xt, stride_we,
                     stride_wn, stride_se, stride_sn, stride_os, stride_ot,
@@ -123,7 +117,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, local_
         tl.store(out, gate, mask=ok)
         tl.store(out + inter, up, mask=ok)
     else:
-        tl.store(out, _silu_mul(gate, up, out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out, silu_mul(gate, up, out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -139,7 +133,7 @@ def _split_activation_kernel(part_ptr, act_ptr, splits, inter, stride_ps, stride
     for split in range(splits):
         gate += tl.load(p + split * stride_ps, mask=ok, other=0.0)
         up += tl.load(p + split * stride_ps + inter, mask=ok, other=0.0)
-    tl.store(act_ptr + pair * stride_at + cols, _silu_mul(gate, up, act_ptr.dtype.element_ty),
+    tl.store(act_ptr + pair * stride_at + cols, silu_mul(gate, up, act_ptr.dtype.element_ty),
              mask=ok)
 
 
@@ -179,10 +173,21 @@ class Tiles(NamedTuple):
     num_stages: int = 3
 
 
+class PairTiles(NamedTuple):
+    """A launch configuration of the INT4 per-pair GEMVs (`layers/moe_gemv.py`)."""
+
+    block_n: int = 16  # gate/up columns a program streams (each twice: gate's and up's rows)
+    block_k: int = 512
+    down_block_n: int = 32
+    down_block_k: int = 256
+    num_warps: int = 4
+
+
 def default_tiles(experts: StackedExperts) -> Tiles:
     # The fastest of `python -m benchmarks.moe --tiles` on an H200 at 1-128 tokens
-    # (benchmarks/results/archive/2026-12-04-moe-gpu.md), again on an H100 at a Kimi rank's.
-    return Tiles(block_k=256) if experts.group else Tiles()
+    # (benchmarks/results/archive/2026-12-04-moe-gpu.md); INT4's single stage at a Kimi
+    # rank's 16-64 tokens on an H100 (results/2026-12-06-moe-pair-gemv-gpu.md).
+    return Tiles(block_k=256, num_stages=1) if experts.group else Tiles()
 
 
 def split_k(pairs: int, local_experts: int, routed_experts: int, col_blocks: int,
@@ -196,7 +201,8 @@ def split_k(pairs: int, local_experts: int, routed_experts: int, col_blocks: int
 
 def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
                   ids: torch.Tensor, first_expert: int, tiles: Tiles | None = None,
-                  routed_experts: int | None = None) -> torch.Tensor:
+                  routed_experts: int | None = None,
+                  pair_tiles: PairTiles | None = None) -> torch.Tensor:
     """x [n, hidden]; `experts` this rank's E experts (first_expert .. first_expert + E - 1)
     of `routed_experts` (default E); the router's weights (float32) and global expert ids
     [n, top_k]. -> sum over the top_k slots of weight * expert(x), [n, hidden] (zero for
@@ -211,6 +217,9 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
     num_pairs = n * top_k
     per_pair = num_pairs <= PER_PAIR_MAX
+    if per_pair and experts.group:
+        return _int4_pair_gemvs(x, experts, weights, local, top_k, routed_experts or num_experts,
+                                pair_tiles or PairTiles())
     if per_pair:
         pairs = blocks = local  # unread: each block is its pair
         num_blocks = num_pairs
@@ -219,35 +228,81 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
         num_blocks = blocks.numel()
     tiles = tiles or default_tiles(experts)
     block_n, block_k = tiles.block_n, tiles.block_k
-    col_blocks, k_blocks = triton.cdiv(inter, block_n), triton.cdiv(hidden, block_k)
-    splits = split_k(num_pairs, num_experts, routed_experts or num_experts, col_blocks,
-                     k_blocks, x.device)
-    k_per_split = triton.cdiv(k_blocks, splits) * block_k
-    splits = triton.cdiv(hidden, k_per_split)
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    part = (torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
-            if splits > 1 else act[None])
-    out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    splits, k_per_split = _splits(num_pairs, num_experts, routed_experts, inter, hidden,
+                                  block_n, block_k, x.device)
+    act, part, out = _buffers(x, num_pairs, inter, splits)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 only rounds float32
     bo, bi = experts.fp8_block or (0, 0)
     common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=experts.group,
                   BO=bo, BI=bi, PER_PAIR=per_pair, PRECISION=precision,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     w13, s13 = experts.gate_up, experts.gate_up_scale
-    _gate_up_kernel[(num_blocks, col_blocks, splits)](
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n), splits)](
         x, w13, w13 if s13 is None else s13, part, pairs, blocks, local, num_pairs,
         num_experts, top_k, hidden, inter, k_per_split, x.stride(0), w13.stride(0),
         w13.stride(1), *_strides(s13), part.stride(0), part.stride(1), SPLIT=splits > 1,
         **common)
-    if splits > 1:
-        _split_activation_kernel[(num_pairs, triton.cdiv(inter, 256))](
-            part, act, splits, inter, part.stride(0), part.stride(1), act.stride(0), BLOCK=256)
+    _split_activation(part, act, splits)
     w2, s2 = experts.down, experts.down_scale
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         act, w2, w2 if s2 is None else s2, weights.flatten().contiguous(), out, pairs, blocks,
         local, num_pairs, num_experts, hidden, inter, act.stride(0), w2.stride(0),
         w2.stride(1), *_strides(s2), out.stride(0), **common)
     return out.view(n, top_k, hidden).sum(dim=1)
+
+
+def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
+                     local: torch.Tensor, top_k: int, routed_experts: int,
+                     tiles: PairTiles) -> torch.Tensor:
+    """`fused_experts` for INT4 experts at few pairs: a GEMV per pair (`layers/moe_gemv.py`).
+    local: [pairs] each pair's expert on this rank (E: another rank's)."""
+    n, hidden = x.shape
+    num_experts, inter = experts.gate_up.shape[0], experts.inter
+    num_pairs = local.numel()
+    splits, k_per_split = _splits(num_pairs, num_experts, routed_experts, inter, hidden,
+                                  tiles.block_n, tiles.block_k, x.device)
+    act, part, out = _buffers(x, num_pairs, inter, splits)
+    w13, s13, w2, s2 = experts.gate_up, experts.gate_up_scale, experts.down, experts.down_scale
+    pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.block_n), splits)](
+        x, w13, s13, part, local, num_experts, top_k, hidden, inter, k_per_split, x.stride(0),
+        w13.stride(0), w13.stride(1), *_strides(s13), part.stride(0), part.stride(1),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=experts.group, SPLIT=splits > 1,
+        num_warps=tiles.num_warps)
+    _split_activation(part, act, splits)
+    pair_down_kernel[(num_pairs, triton.cdiv(hidden, tiles.down_block_n))](
+        act, w2, s2, weights.flatten().contiguous(), out, local, num_experts, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), *_strides(s2), out.stride(0),
+        BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, GROUP=experts.group,
+        num_warps=tiles.num_warps)
+    return out.view(n, top_k, hidden).sum(dim=1)
+
+
+def _splits(pairs: int, local_experts: int, routed_experts: int | None, inter: int,
+            hidden: int, block_n: int, block_k: int, device: torch.device) -> tuple[int, int]:
+    """(programs sharing gate/up's input dim, input columns each) for `split_k`'s count."""
+    k_blocks = triton.cdiv(hidden, block_k)
+    splits = split_k(pairs, local_experts, routed_experts or local_experts,
+                     triton.cdiv(inter, block_n), k_blocks, device)
+    k_per_split = triton.cdiv(k_blocks, splits) * block_k
+    return triton.cdiv(hidden, k_per_split), k_per_split
+
+
+def _buffers(x: torch.Tensor, pairs: int, inter: int, splits: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(activations [pairs, inter], gate/up's output: float32 split partials [splits, pairs,
+    2 * inter] or the activations themselves, the per-pair outputs [pairs, hidden] zeroed)."""
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    part = (torch.empty(splits, pairs, 2 * inter, dtype=torch.float32, device=x.device)
+            if splits > 1 else act[None])
+    return act, part, torch.zeros(pairs, x.shape[1], dtype=x.dtype, device=x.device)
+
+
+def _split_activation(part: torch.Tensor, act: torch.Tensor, splits: int) -> None:
+    """act = silu(sum of the splits' gate) * (sum of their up), where gate/up was split."""
+    if splits > 1:
+        inter = act.shape[1]
+        _split_activation_kernel[(act.shape[0], triton.cdiv(inter, 256))](
+            part, act, splits, inter, part.stride(0), part.stride(1), act.stride(0), BLOCK=256)
 
 
 def _strides(scale: torch.Tensor | None) -> tuple[int, int]:

@@ -20,7 +20,9 @@ CASES = [
     (33, 16, 4, 64, 80, 4, 8),  # expert parallel: other ranks' pairs are left out
     (70, 4, 3, 32, 16, 0, 4),  # several blocks per expert
     (3, 16, 4, 64, 80, 4, 8),  # expert parallel with a block per pair
-    (2, 8, 2, 384, 128, 0, 8),  # gate/up's input dim split over programs (SPLIT_K 2)
+    (2, 8, 2, 384, 128, 0, 8),  # gate/up's input dim split (INT4: tiles wider than it)
+    (2, 8, 2, 1536, 64, 0, 8),  # gate/up's input dim split over programs (INT4 too)
+    (20, 8, 4, 512, 32, 0, 8),  # grouped, gate/up's input dim split over programs
 ]
 
 

@@ -28,8 +28,11 @@ from tests.layers.needs_triton import TRITON_MISSING
 ROOT = Path(__file__).resolve().parents[2]
 STREAMING = ["gemv"] + [f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", "silu_mul",
                                                 "norm_rope", "norm_rope_to_cache")]
+PAIR_GEMVS = ["moe:pair_gate_up_kernel:int4", "moe:pair_down_kernel:int4",
+              "moe:pair_gate_up_kernel:int4-split"]
+STREAMING += PAIR_GEMVS
 CASES = [f"moe:{k}:{w}" for k in ("_gate_up_kernel", "_down_kernel")
-         for w in ("bf16", "int4", "fp8", "int4-per-pair")] + [
+         for w in ("bf16", "int4", "fp8", "bf16-per-pair")] + [
     "moe:_gate_up_kernel:int4-split", "moe:_split_activation_kernel:bf16", "grouping",
     "merge:all-rows", "merge:written-rows",
     "router:kimi", "router:deepseek", "attention:dense", "attention:mla", *STREAMING]
@@ -115,8 +118,9 @@ def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
 
 def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
     """A grouped GEMM with its default tiles for bf16, INT4 (group 32) or FP8 experts, over
-    blocks of grouped pairs, (`-per-pair`) a block per pair or (`-split`) a split input dim."""
-    from flashtree.layers import fused_moe
+    blocks of grouped pairs, (`-per-pair`) a block per pair or (`-split`) a split input dim;
+    or (`pair_*`) an INT4 per-pair GEMV."""
+    from flashtree.layers import fused_moe, moe_gemv
     from flashtree.layers.stacked_experts import StackedExperts
 
     if kernel == "_split_activation_kernel":
@@ -125,19 +129,26 @@ def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
     weights, variant = weights.partition("-")[::2]
     group, fp8 = {"bf16": (0, None), "int4": (32, None), "fp8": (0, (128, 128))}[weights]
     dummy = torch.empty(1, 2, 8)
-    tiles = fused_moe.default_tiles(StackedExperts(dummy, dummy, group=group, fp8_block=fp8))
     bo, bi = fp8 or (0, 0)
-    constants = dict(BLOCK_M=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group,
-                     BO=bo, BI=bi, PER_PAIR=variant == "per-pair", PRECISION="tf32")
     split = variant == "split"
-    if kernel == "_gate_up_kernel":
+    if kernel.startswith("pair_"):
+        pair = fused_moe.PairTiles()
+        down = kernel == "pair_down_kernel"
+        constants = dict(GROUP=group, BLOCK_N=pair.down_block_n if down else pair.block_n,
+                         BLOCK_K=pair.down_block_k if down else pair.block_k)
+        num_warps, module = pair.num_warps, moe_gemv
+    else:
+        tiles = fused_moe.default_tiles(StackedExperts(dummy, dummy, group=group, fp8_block=fp8))
+        constants = dict(BLOCK_M=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group,
+                         BO=bo, BI=bi, PER_PAIR=variant == "per-pair", PRECISION="tf32")
+        num_warps, module = tiles.num_warps, fused_moe
+    if "gate_up" in kernel:
         constants["SPLIT"] = split
     weight_type = {"bf16": "bf16", "int4": "i32", "fp8": "fp8e4nv"}[weights]
     pointers = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="fp32" if split else "bf16",
                     w_ptr=weight_type, s_ptr="bf16" if weights == "int4" else "fp32",
                     weights_ptr="fp32", pairs_ptr="i32", experts_ptr="i32", local_ptr="i64")
-    return compile_sm90(getattr(fused_moe, kernel), constants, pointers, tmp_path,
-                        tiles.num_warps)
+    return compile_sm90(getattr(module, kernel), constants, pointers, tmp_path, num_warps)
 
 
 def grouping_case(tmp_path: Path) -> dict:
