@@ -49,6 +49,7 @@ import torch
 from flashtree import LLM, SamplingParams
 from flashtree.bench.floors import copy_bandwidth, floor_ms, step_floor_bytes, weight_bytes
 from flashtree.bench.guard import compare, last_results
+from flashtree.bench.metrics import tau_mean, tau_ratio
 from flashtree.bench.oracle import AcceptanceOracle, expected_tree_acceptance
 from flashtree.bench.peer import CompiledPeer
 from flashtree.bench.plots import speedup_plot
@@ -185,13 +186,17 @@ class Bench:
             eng.step()
         sync(self.device)
         start, before = time.perf_counter(), sum(len(s.output_ids) for s in seqs)
-        steps = [len(s.spec_accept_lengths) for s in seqs]
         budgets = dict(eng.spec_stats.budgets) if eng.spec_stats else {}
-        while any(not s.is_finished for s in seqs):
+        accepted, drafts = [], eng.spec_stats.num_drafts if eng.spec_stats else 0
+        while any(not s.is_finished for s in seqs):  # tokens per speculative step, not plain
+            marks = [len(s.spec_accept_lengths) for s in seqs]
             eng.step()
+            if eng.spec_stats and eng.spec_stats.num_drafts > drafts:
+                accepted += [s.spec_accept_lengths[-1] for s, m in zip(seqs, marks)
+                             if len(s.spec_accept_lengths) > m]
+            drafts = eng.spec_stats.num_drafts if eng.spec_stats else 0
         sync(self.device)
         seconds = time.perf_counter() - start
-        accepted = [n for s, k in zip(seqs, steps) for n in s.spec_accept_lengths[k:]]
         known = [tuple(p) in self.references for p in prompts]
         equal = [self.references.get(tuple(p), [])[: len(p) + len(s.output_ids)]
                  == list(p) + list(s.output_ids) for p, s in zip(prompts, seqs)]
@@ -199,7 +204,7 @@ class Bench:
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                 "speculative_share": speculative_share(eng, budgets),
                 "policy": policy_view(eng.policy),
-                "tau": sum(accepted) / len(accepted) if accepted else 1.0,
+                "tau": sum(accepted) / len(accepted) if accepted else 1.0, "accepted": accepted,
                 "equal_to_plain": sum(equal) / len(equal) if all(known) else None,
                 "requests": len(prompts)}
 
@@ -208,7 +213,7 @@ class Bench:
         runs = [self.decode(llm, [p]) for p in prompts]
         eq = [r["equal_to_plain"] for r in runs]
         return {"tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
-                "tau": sum(r["tau"] for r in runs) / len(runs),
+                **tau_mean([n for r in runs for n in r.pop("accepted")]),
                 "speculative_share": sum(r["speculative_share"] for r in runs) / len(runs),
                 "equal_to_plain": None if None in eq else sum(eq) / len(eq)}
 
@@ -369,6 +374,9 @@ class Bench:
         r["curve_ddtree"] = self.curve(llm, oracle, q)
         llm.engine.policy = AdaptivePolicy(best)
         r["ddtree_adaptive"] = self.c1_rate(llm, prompts)
+        r["adaptive_tau_over_fixed_tau"] = {
+            "dflash": tau_ratio(r["dflash_adaptive"], r["dflash"]),
+            "ddtree": tau_ratio(r["ddtree_adaptive"], r["ddtree_budgets"][str(best)])}
         self.release()
         return r
 
@@ -436,6 +444,8 @@ class Bench:
                 for c in levels:
                     runs = [self.decode(llm, self.prompts[:c], a.sweep_tokens)
                             for _ in range(a.rounds)]
+                    for run in runs:  # the step list serves c1's standard errors only
+                        run.pop("accepted")
                     rows.append({"concurrency": c, "runs": runs})
                     self.save()
                     print(f"sweep {name} c={c}: "
@@ -689,7 +699,8 @@ def summary(res: dict) -> dict:
         out.update(dflash_over_none_c1=dflash / none,
                    ddtree_over_none_c1=best["tokens_per_s"] / none,
                    ddtree_over_dflash_c1=best["tokens_per_s"] / dflash,
-                   measured_tau_dflash=c1["dflash"]["tau"], measured_tau_ddtree=best["tau"])
+                   measured_tau_dflash=c1["dflash"]["tau"], measured_tau_ddtree=best["tau"],
+                   adaptive_tau_over_fixed_tau=c1.get("adaptive_tau_over_fixed_tau"))
     if prof:
         reads = [prof[m]["device_reads"] for m in ("dflash", "ddtree")]
         out.update(gpu_busy_spec_step=prof["ddtree"]["gpu_busy"],

@@ -92,3 +92,23 @@ def summarize(records: list[RequestRecord], duration: float,
         "accept_length_histogram": accept[1] if accept else {},
     }
     return row
+
+
+def tau_mean(accepted: list[int]) -> dict[str, float | None]:
+    """Tokens committed per request per speculative step: {"tau": mean (1 without any),
+    "tau_se": its standard error, "tau_steps": how many steps}; steps are independent draws
+    under the acceptance oracle."""
+    n = len(accepted)
+    mean = sum(accepted) / n if n else 1.0
+    var = sum((a - mean) ** 2 for a in accepted) / (n - 1) if n > 1 else None
+    return {"tau": mean, "tau_se": None if var is None else (var / n) ** 0.5, "tau_steps": n}
+
+
+def tau_ratio(a: dict, b: dict) -> dict[str, float | None]:
+    """a's tau over b's (`tau_mean` dicts) and its standard error (first order)."""
+    ratio = a["tau"] / b["tau"]
+    if a["tau_se"] is None or b["tau_se"] is None:
+        return {"ratio": ratio, "se": None}
+    return {"ratio": ratio, "se": ratio * ((a["tau_se"] / a["tau"]) ** 2
+                                           + (b["tau_se"] / b["tau"]) ** 2) ** 0.5}
+

@@ -76,6 +76,9 @@ def test_speculation_commits_the_plain_tokens_at_the_oracle_rate(run):
     assert abs(1 + sum(p**i for i in range(1, 16)) - 6.6) < 1e-6
     # About 70 steps: the chain's per-step acceptance has a standard deviation near 4.5.
     assert abs(c1["dflash"]["tau"] - 6.6) < 4 * 4.5 / math.sqrt(70)
+    # Adaptive rows accept per speculative step what fixed ones do (issue 65: no bias).
+    for ratio in data["adaptive_tau_over_fixed_tau"].values():
+        assert ratio["se"] > 0 and abs(ratio["ratio"] - 1) < 3 * ratio["se"], ratio
     taus = [point["tau"] for point in c1["curve_dflash"]]
     assert taus[-1] > taus[0] + 5  # the plot's chain points span the acceptance range
     prof = data["profile"]
