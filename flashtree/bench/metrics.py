@@ -111,4 +111,3 @@ def tau_ratio(a: dict, b: dict) -> dict[str, float | None]:
         return {"ratio": ratio, "se": None}
     return {"ratio": ratio, "se": ratio * ((a["tau_se"] / a["tau"]) ** 2
                                            + (b["tau_se"] / b["tau"]) ** 2) ** 0.5}
-

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass
 class DraftTrees:
     """Trees of R requests, padded to N = budget + 1 nodes; node 0 is the root (the bonus
