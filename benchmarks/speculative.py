@@ -77,6 +77,7 @@ from flashtree.bench.timing import (
     wall_s,
 )
 from flashtree.config import DEFAULT_TOPK_CAP
+from flashtree.kv.cache import OutOfPages
 from flashtree.models.registry import DEFAULT_DRAFTER_DIR, resolve_model_path
 from flashtree.runner.forward_batch import BatchItem, Mode
 from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy
@@ -250,13 +251,17 @@ class Bench:
     def steps(self) -> dict:
         a, ctx, reps, dev = self.args, self.ctx, self.args.reps, self.device
         bw = copy_bandwidth(dev, a.copy_mib, reps)
-        r: dict = {"ctx": ctx, "bytes_per_s": bw, "ar": {str(b): {} for b in a.batches}}
+        r: dict = {"ctx": ctx, "bytes_per_s": bw, "ar": {}}
         llm = self.llm("none", max_num_seqs=max(a.batches))
         r["graphs"] = captures_graphs(llm)
         for b in a.batches:
             with Scratch(llm) as s:
-                run = s.decode(b, ctx)
-                r["ar"][str(b)].update(ms=step_ms(llm, run, reps), floor_ms=floor_ms(
+                try:
+                    run = s.decode(b, ctx)
+                except OutOfPages as e:  # the KV pool holds fewer: keep the batches measured
+                    r.setdefault("skipped", {})[str(b)] = str(e)
+                    continue
+                r["ar"][str(b)] = dict(ms=step_ms(llm, run, reps), floor_ms=floor_ms(
                     step_floor_bytes(llm, run, b * ctx), bw))
         total, read = weight_bytes(llm.model)
         r.update(weight_bytes=total, weight_bytes_read=read,
@@ -270,7 +275,7 @@ class Bench:
             del logits
         r["engine_step_ms"] = engine_step_ms(llm, 1, ctx, reps)[0]
         llm = self.llm("none", max_num_seqs=max(a.batches), eager=True)
-        for b in a.batches:
+        for b in map(int, r["ar"]):
             with Scratch(llm) as s:
                 r["ar"][str(b)]["eager_ms"] = median_ms(s.decode(b, ctx), dev, reps)
         r.update(self.peer(ctx, reps))
@@ -779,6 +784,7 @@ def _steps_lines(st: dict) -> list[str]:
              "| batch | step ms | eager ms | floor ms | step / floor |", "|---|---|---|---|---|"]
     lines += [f"| {b} | {r['ms']:.3f} | {r['eager_ms']:.3f} | {r['floor_ms']:.3f} | "
               f"{r['ms'] / r['floor_ms']:.2f} |" for b, r in st["ar"].items()]
+    lines += [f"| {b} | not run: {why} | | | |" for b, why in st.get("skipped", {}).items()]
     peer = (f"compiled peer {st['peer_ms']:.3f} ms (compiled in {st['peer_compile_s']:.0f} s)"
             if "peer_ms" in st else f"compiled peer {st['peer']}")
     return lines + ["", f"Whole engine step at batch 1: {st['engine_step_ms']:.3f} ms; {peer}. "
