@@ -205,7 +205,7 @@ class Bench:
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                 "speculative_share": speculative_share(eng, budgets),
                 "policy": policy_view(eng.policy),
-                "tau": sum(accepted) / len(accepted) if accepted else 1.0, "accepted": accepted,
+                **tau_mean(accepted), "accepted": accepted,
                 "equal_to_plain": sum(equal) / len(equal) if all(known) else None,
                 "requests": len(prompts)}
 
