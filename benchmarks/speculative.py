@@ -15,7 +15,8 @@ tokens/s are decode-phase rates (from a request's `--skip`-th token on).
   c1         concurrency 1: none, DFlash, DDTree at budgets 15..511 (and topk_cap), the
              acceptance curve for the plot, equality with plain decoding
   profile    engine steps of none, DFlash and DDTree (--profile-batch requests) profiled
-  sweep      concurrency 1..256: none, DFlash and DDTree, fixed and adaptive, in rounds
+  sweep      concurrency 1..256: none, DFlash, DDTree fixed at each budget of its ladder, and
+             both adaptive (picking plain steps or a budget per batch size), in rounds
   generate   plain decoding against transformers `generate` on a checkpoint of the shape
   pair       the default pair: none, DFlash, DDTree against the reference `dflash` package
   acceptance tokens per target forward of the default pair's spec modes on held-out prompts
@@ -377,7 +378,7 @@ class Bench:
         llm = self.llm("ddtree", budget=best)
         oracle = self.oracle(llm, p, q)
         r["curve_ddtree"] = self.curve(llm, oracle, q)
-        llm.engine.policy = AdaptivePolicy(best)
+        llm.engine.policy = AdaptivePolicy(llm.engine.speculative.cfg.budgets)
         r["ddtree_adaptive"] = self.c1_rate(llm, prompts)
         r["adaptive_tau_over_fixed_tau"] = {
             "dflash": tau_ratio(r["dflash_adaptive"], r["dflash"]),
@@ -438,8 +439,11 @@ class Bench:
             if spec not in a.sweep_methods.split(","):
                 continue
             llm = self.llm(spec, budget=budget, max_num_seqs=max(levels))
+            ladder = () if spec == "none" else llm.engine.speculative.cfg.budgets
+            # DDTree: fixed at every budget of the ladder the adaptive policy picks from.
             policies = {"none": None} if spec == "none" else {
-                f"{spec}:fixed": FixedPolicy(budget), f"{spec}": AdaptivePolicy(budget)}
+                **{f"{spec}:fixed" + (f":{b}" if b != budget else ""): FixedPolicy(b)
+                   for b in ladder}, f"{spec}": AdaptivePolicy(ladder)}
             if spec != "none":
                 self.oracle(llm, p, rate_q)
             for name, policy in policies.items():
@@ -561,16 +565,17 @@ def speculative_share(eng, budgets_before: dict[int, int]) -> float:
 
 
 def policy_view(policy) -> dict | None:
-    """What an adaptive policy has measured per size class of batches (its verdict's inputs):
-    median plain and speculative step ms, tokens committed per request per speculative step,
-    back-off."""
+    """An adaptive policy's measurements per size class: median step ms (plain; per budget,
+    with tokens committed per request), the budget it runs, back-off."""
     if not isinstance(policy, AdaptivePolicy):
         return None
 
-    def med(times) -> float | None:
+    def ms(times) -> float | None:
         return 1e3 * sorted(times)[len(times) // 2] if times else None
-    return {key: {"plain_ms": med(b.plain_s), "spec_ms": med(b.spec_s), "accepted": b.accepted,
-                  "backoff": b.backoff} for key, b in sorted(policy.size_classes.items())}
+    return {key: {"plain_ms": ms(c.plain_s), "best": c.best(), "backoff": c.backoff,
+                  "budgets": {b: {"ms": ms(m.seconds), "accepted": m.accepted}
+                              for b, m in c.budgets.items()}}
+            for key, c in sorted(policy.size_classes.items())}
 
 
 def _interpolate(xs: list[float], ys: list[float], y: float) -> float:
@@ -731,10 +736,10 @@ def _sweep_keys(sw: dict) -> dict:
                    for row in rows] for name, rows in sw["rows"].items()}
     over_none, over_fixed, lows = [], [], []
     for spec in ("dflash", "ddtree"):
-        for none, adaptive, fixed in zip(rate.get("none", []), rate.get(spec, []),
-                                         rate.get(f"{spec}:fixed", [])):
+        fixed = [rows for name, rows in rate.items() if name.startswith(f"{spec}:fixed")]
+        for none, adaptive, *fixed_at in zip(rate.get("none", []), rate.get(spec, []), *fixed):
             over_none.append(adaptive / none)
-            over_fixed.append(adaptive / max(none, fixed))
+            over_fixed.append(adaptive / max(none, *fixed_at))
         if spec in sw["rows"] and "none" in sw["rows"]:
             lows += [i[0] for level in range(len(sw["levels"]))
                      if (i := mean_interval(_round_ratios(sw, spec, level))) is not None]
@@ -924,8 +929,7 @@ def main() -> None:
     ap.add_argument("--layout", help="tpN, epN or tpNepM: one rank's share of the layout, run "
                     "in a group of one (its kernels and collectives; no wire time) with the "
                     "shape's seeds' drafter (random_pair.random_rank)")
-    ap.add_argument("--dflash-tau", type=float, default=PAPER_DFLASH_TAU,
-                    help="the oracle's chain acceptance at the drafter's block")
+    ap.add_argument("--dflash-tau", type=float, default=PAPER_DFLASH_TAU, help="chain acceptance")
     ap.add_argument("--ddtree-tau", type=float, default=PAPER_DDTREE_TAU,
                     help="what the calibration budget's tree accepts under the oracle")
     ap.add_argument("--curve-taus", type=lambda v: [float(x) for x in v.split(",") if x],
@@ -936,27 +940,23 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024, help="prompt tokens (the context)")
     ap.add_argument("--batches", type=int_list, default=[1, 8, 32], help="AR step batches")
     ap.add_argument("--verify-ctxs", type=int_list, default=[1024, 4096])
-    ap.add_argument("--trees", type=int_list, default=[2**i for i in range(10)],
-                    help="tree sizes of the verify section")
+    ap.add_argument("--trees", type=int_list, default=[2**i for i in range(10)], help="verify's")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--prompts", type=int, default=4, help="prompts at concurrency 1")
     ap.add_argument("--skip", type=int, default=48, help="tokens per request before timing")
     ap.add_argument("--tokens", type=int, default=256, help="timed tokens per request")
     ap.add_argument("--trials", type=int, default=256, help="Monte Carlo trials per setting")
-    ap.add_argument("--budgets", type=int_list, default=[15, 31, 63, 127, 255, 511],
-                    help="c1: DDTree budgets")
+    ap.add_argument("--budgets", type=int_list, default=[15, 31, 63, 127, 255, 511], help="c1's")
     ap.add_argument("--topk-cap", type=int, help="topk_cap compared at the best budget")
     ap.add_argument("--profile-batch", type=int, default=1)
-    ap.add_argument("--sampled-fraction", type=float, default=0.0,
-                    help="profile: the share of requests sampling at T=1 (seeded)")
+    ap.add_argument("--sampled-fraction", type=float, default=0.0, help="profile's at T=1")
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--levels", default="1,2,4,8,16,32,64,128,256", help="sweep concurrencies")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sweep-tokens", type=int, default=128)
     ap.add_argument("--sweep-methods", default="none,dflash,ddtree")
-    ap.add_argument("--sweep-budget", type=int, help="the sweep's DDTree budget (default: the "
-                    "best at concurrency 1, at most 63)")
+    ap.add_argument("--sweep-budget", type=int, help="DDTree's (default: c1's best, <= 63)")
     ap.add_argument("--work", default="/tmp/flashtree_speculative", help="generate: checkpoint")
     ap.add_argument("--gen-prompt", type=int, default=1024)
     ap.add_argument("--gen-tokens", type=int, default=128)

@@ -82,6 +82,8 @@ TREE_SAMPLING_MODES = ("match", "rrs")
 # much with 16 as uncapped and run faster (smaller top-k selections; measured in
 # benchmarks/results/archive/2026-12-04-oracle-gpu.md).
 DEFAULT_TOPK_CAP = 16
+# The smallest DDTree budget an engine keeps graphs for below its own (`SpecConfig.budgets`).
+MIN_LADDER_BUDGET = 3
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,18 @@ class SpecConfig:
     def max_budget(self) -> int:
         """Draft candidates verified per request: tree nodes or chain drafts."""
         return self.tree_budget if self.method == "ddtree" else self.block_size - 1
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """The draft budgets a step may verify, largest first: a chain's drafts, or DDTree's
+        budget and each quarter below it down to 3 nodes (255, 63, 15, 3), among which the
+        adaptive policy picks per batch size (each costs a set of captured graphs)."""
+        if self.method != "ddtree":
+            return (self.max_budget,)
+        ladder = [self.tree_budget]
+        while (ladder[-1] + 1) // 4 - 1 >= MIN_LADDER_BUDGET:
+            ladder.append((ladder[-1] + 1) // 4 - 1)
+        return tuple(ladder)
 
     @property
     def lookahead(self) -> int:

@@ -80,7 +80,7 @@ class LLMEngine:
             self.speculative = SpeculativeStep(spec, self.proposer, self.runner, self.cache,
                                                self.pages)
             self.spec_stats = SpecStats()
-            self.policy = (AdaptivePolicy(spec.max_budget) if spec.policy == "adaptive"
+            self.policy = (AdaptivePolicy(spec.budgets) if spec.policy == "adaptive"
                            else FixedPolicy(spec.max_budget))
         self._ids = itertools.count()
         eos = set(model_cfg.eos_token_ids)
@@ -157,16 +157,18 @@ class LLMEngine:
             return self._plain_step(chunks)
         outputs_before = sum(len(c.seq.output_ids) for c in chunks)
         assert self.policy is not None and self.spec_stats is not None
-        speculate = self.policy.plan(len(chunks)) > 0 and self._reserve_lookahead(chunks)
-        if speculate:
+        budget = self.policy.plan(len(chunks))
+        committed_at = None
+        if budget > 0 and self._reserve_lookahead(chunks):
             self.spec_stats.record_speculative_step(len(chunks))
-            done = self._speculative_step(chunks)
+            done, committed_at = self._speculative_step(chunks, budget)
         else:
+            budget = 0
             self.spec_stats.record_budget(0, len(chunks))
             done = self._plain_step(chunks)
         committed = sum(len(c.seq.output_ids) for c in chunks) - outputs_before
-        self.policy.observe(StepResult(speculate, len(chunks), committed,
-                                       time.perf_counter() - start))
+        self.policy.observe(StepResult(budget, len(chunks), committed,
+                                       time.perf_counter() - start, committed_at))
         return done
 
     def _reserve_lookahead(self, chunks: list[ScheduledChunk]) -> bool:
@@ -244,14 +246,27 @@ class LLMEngine:
                     tokens[-1] = sample_tokens(logits[i : i + 1], rows[i : i + 1])[0]
             return tokens
 
-    def _speculative_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
+    def _speculative_step(self, chunks: list[ScheduledChunk], budget: int
+                          ) -> tuple[list[Sequence], dict[int, int] | None]:
+        """The step at `budget`; also what the batch would have committed at each smaller
+        budget of the config's where every request's tree tells (None: not every one)."""
         assert self.speculative is not None and self.spec_stats is not None
         seqs = [c.seq for c in chunks]
-        for seq, verified in zip(seqs, self.speculative.run(seqs)):
+        smaller = [b for b in self.speculative.cfg.budgets if b < budget]
+        committed_at: dict[int, int] | None = dict.fromkeys(smaller, 0)
+        for seq, verified in zip(seqs, self.speculative.run(seqs, budget)):
             self.spec_stats.record_budget(verified.num_candidates)
             with self.outputs.isolated(seq):
                 self.outputs.append(seq, verified.tokens, record=True, logits=verified.logits)
                 # Counted after stop conditions, so the counters match the returned tokens.
                 committed = seq.spec_accept_lengths[-1]
                 self.spec_stats.record(verified.num_candidates, committed - 1)
-        return seqs
+            if committed_at is None or verified.accepted_ranks is None:
+                committed_at = None
+                continue
+            for b in smaller:  # the subtree of b nodes holds the accepted drafts of rank <= b
+                kept = sum(rank <= b for rank in verified.accepted_ranks)
+                committed_at[b] += min(1 + kept, committed)
+        if committed_at is not None:
+            committed_at[budget] = sum(s.spec_accept_lengths[-1] for s in seqs)
+        return seqs, committed_at

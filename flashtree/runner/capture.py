@@ -42,8 +42,8 @@ class GraphPlan:
 
 def plan_graphs(args: EngineConfig, scratch_slot: int) -> GraphPlan | None:
     """The graphs an engine of `args` captures (None: it runs eagerly): decode and short prompt
-    chunks and, with speculation, the verify shape (a chain, or a tree of budget + 1 tokens)
-    and the draft block, for batch buckets up to max_num_seqs. `scratch_slot`: a KV slot no
+    chunks and, with speculation, the verify shapes (a chain, or trees of each budget + 1
+    tokens) and the draft block, for batch buckets up to max_num_seqs. `scratch_slot`: a KV slot no
     request owns, for padded tokens."""
     if not uses_cuda_graphs(args):
         return None
@@ -57,7 +57,7 @@ def plan_graphs(args: EngineConfig, scratch_slot: int) -> GraphPlan | None:
     draft = None
     if spec is not None:
         verify = GraphMode.VERIFY_TREE if spec.method == "ddtree" else GraphMode.VERIFY_CHAIN
-        target.append((verify, spec.max_budget + 1, max_rows))
+        target += [(verify, budget + 1, max_rows) for budget in spec.budgets]
         draft = (GraphMode.DRAFT, spec.block_size, max_rows)
     return GraphPlan(dims, batch_buckets(sched.max_num_seqs), target, draft)
 

@@ -19,10 +19,11 @@ from flashtree.transfer import to_device
 
 def _tree_nodes(top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor, *,
                 budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The best-first trees as RowGraphs replays them: ([R, 3, N] tokens, parents and depths,
-    [R, N, N] visibility)."""
+    """The best-first trees as RowGraphs replays them: ([R, 4, N] tokens, parents, depths and
+    selection ranks, [R, N, N] visibility)."""
     trees = build_trees_from_topk(top_lp, top_tok, roots, budget)
-    return torch.stack([trees.tokens, trees.parent, trees.depth], dim=1), trees.visible
+    return (torch.stack([trees.tokens, trees.parent, trees.depth, trees.rank], dim=1),
+            trees.visible)
 
 
 def sample_spine_tree(
@@ -67,41 +68,44 @@ class CandidateBuilder:
             self._capture_tree_graphs(buckets)
 
     def _capture_tree_graphs(self, buckets: list[int]) -> None:
-        """Capture the DDTree build for every batch bucket now: a capture on first use would
-        stall that step."""
+        """Capture the DDTree build for every batch bucket and budget now: a capture on first
+        use would stall that step."""
         depth, k = self.cfg.block_size - 1, self._topk
         for rows in buckets:
             top_lp = torch.zeros(rows, depth, k, dtype=torch.float32, device=self.device)
             top_tok = torch.zeros(rows, depth, k, dtype=torch.long, device=self.device)
             roots = torch.zeros(rows, dtype=torch.long, device=self.device)
-            self.tree_nodes(top_lp, top_tok, roots, budget=self.cfg.tree_budget)
+            for budget in self.cfg.budgets:
+                self.tree_nodes(top_lp, top_tok, roots, budget=budget)
 
-    def on_device(self, seqs: list[Sequence], logits: torch.Tensor) -> DeviceCandidates:
-        """Every request's candidates without a host read: greedy DDTrees, or the argmax chains
-        of greedy DFlash blocks. logits: [R * (block_size - 1), V_rank], this TP rank's vocab
-        slice of every request's whole draft block."""
+    def on_device(self, seqs: list[Sequence], logits: torch.Tensor, budget: int
+                  ) -> DeviceCandidates:
+        """Every request's candidates without a host read: greedy DDTrees of `budget` nodes, or
+        the argmax chains of greedy DFlash blocks. logits: [R * (block_size - 1), V_rank], this
+        TP rank's vocab slice of every request's whole draft block."""
         r, depth = len(seqs), self.cfg.block_size - 1
         roots = to_device([s.last_token for s in seqs], logits.device)
         if self.cfg.method == "ddtree":
-            nodes, visible = self._trees(logits.unflatten(0, (r, depth)), roots, full=False)
-            return DeviceCandidates(nodes[:, 0], nodes[:, 1], nodes[:, 2], visible)
+            nodes, visible = self._trees(logits.unflatten(0, (r, depth)), roots, False, budget)
+            return DeviceCandidates(nodes[:, 0], nodes[:, 1], nodes[:, 2], visible, nodes[:, 3])
         drafts = vocab_argmax(logits, self._vocab_start).view(r, depth)
         node_depth = torch.arange(depth + 1, device=logits.device).expand(r, depth + 1)
         return DeviceCandidates(torch.cat([roots[:, None], drafts], 1),
-                                (node_depth - 1).clamp_min(0), node_depth, None)
+                                (node_depth - 1).clamp_min(0), node_depth, None, None)
 
     def on_host(self, seqs: list[Sequence], sizes: list[int], logits: torch.Tensor | None,
-                full: bool) -> list[Candidates]:
-        """Every request's candidates as host lists. sizes: each request's draft block (its
-        bonus token included; 1: not drafted, a lone root); logits: the drafted blocks' rows,
-        request after request (the whole vocabulary when `full`, else this TP rank's slice)."""
+                full: bool, budget: int) -> list[Candidates]:
+        """Every request's candidates as host lists (trees of `budget` nodes). sizes: each
+        request's draft block (its bonus token included; 1: not drafted, a lone root); logits:
+        the drafted blocks' rows, request after request (the whole vocabulary when `full`, else
+        this TP rank's slice)."""
         rows, chains = self._draft_rows(seqs, sizes, logits, full)
         cands: list[Candidates | None] = [None] * len(seqs)
         trees = []  # indices of requests with deterministic trees
         for i, s in enumerate(seqs):
             draft = rows.get(s.seq_id)
             if draft is not None and self._samples_tree(s):
-                cands[i] = self._sampled(s, draft)
+                cands[i] = self._sampled(s, draft, budget)
             elif draft is None or self.cfg.method == "dflash":
                 cands[i] = Candidates.chain(s.last_token, chains.get(s.seq_id, []))
             else:
@@ -109,10 +113,10 @@ class CandidateBuilder:
         if trees:
             stacked = torch.stack([rows[seqs[i].seq_id] for i in trees])
             roots = to_device([seqs[i].last_token for i in trees], stacked.device)
-            nodes, visible = self._trees(stacked, roots, full)
-            # [R, 3, N] tokens, parents, depths -> one device sync
-            for g, (i, (tokens, parents, depths)) in enumerate(zip(trees, nodes.tolist())):
-                cands[i] = Candidates.tree(tokens, parents, depths, visible[g])
+            nodes, visible = self._trees(stacked, roots, full, budget)
+            # [R, 4, N] tokens, parents, depths, ranks -> one device sync
+            for g, (i, (tokens, parents, depths, ranks)) in enumerate(zip(trees, nodes.tolist())):
+                cands[i] = Candidates.tree(tokens, parents, depths, visible[g], ranks=ranks)
         return [c for c in cands if c is not None]
 
     def _draft_rows(self, seqs: list[Sequence], sizes: list[int], logits: torch.Tensor | None,
@@ -142,28 +146,29 @@ class CandidateBuilder:
             offset += b - 1
         return rows, chains
 
-    def _trees(self, drafts: torch.Tensor, roots: torch.Tensor, full: bool
+    def _trees(self, drafts: torch.Tensor, roots: torch.Tensor, full: bool, budget: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """DDTrees of `tree_budget` nodes from drafts [R, L, V] (the whole vocabulary when
-        `full`, else this TP rank's slice): ([R, 3, N] tokens, parents and depths, [R, N, N]
-        visibility), on the device."""
+        """DDTrees of `budget` nodes from drafts [R, L, V] (the whole vocabulary when `full`,
+        else this TP rank's slice): ([R, 4, N] tokens, parents, depths and selection ranks,
+        [R, N, N] visibility), on the device. The top-k is the largest budget's, so every
+        budget's tree is the same prefix of the largest one's selection."""
         top_lp, top_tok = (topk_logprobs(drafts, self._topk) if full else
                            vocab_topk_logprobs(drafts, self._topk, self._vocab_start))
-        return self.tree_nodes(top_lp, top_tok, roots, budget=self.cfg.tree_budget)
+        return self.tree_nodes(top_lp, top_tok, roots, budget=budget)
 
     def _samples_tree(self, seq: Sequence) -> bool:
         """RRS requests' candidates are sampled from the draft."""
         return self.cfg.tree_sampling == "rrs" and not seq.params.greedy
 
-    def _sampled(self, seq: Sequence, draft: torch.Tensor) -> Candidates:
+    def _sampled(self, seq: Sequence, draft: torch.Tensor, budget: int) -> Candidates:
         """RRS candidates: q_d = softmax(draft logits / T); a chain of one sample per depth for
         DFlash, a spine with `budget // depth` SWOR siblings per depth for DDTree."""
         q = torch.softmax(draft.float() / seq.params.temperature, dim=-1)  # [L, V]
         if self.cfg.method == "dflash":
             width, depth = 1, q.shape[0]
         else:
-            depth = min(q.shape[0], self.cfg.tree_budget)
-            width = max(1, self.cfg.tree_budget // depth)
+            depth = min(q.shape[0], budget)
+            width = max(1, budget // depth)
         tokens, parents = sample_spine_tree(q[:depth], width, seq.generator)
         tokens, parents = [seq.last_token, *tokens], [0, *parents]
         if self.cfg.method == "dflash":

@@ -22,17 +22,17 @@ from flashtree.speculative.types import DeviceCandidates, Walk
 from flashtree.transfer import start_to_host, to_device
 
 
-def walk_and_keep(tokens: torch.Tensor, parent: torch.Tensor, target: torch.Tensor,
-                  slots: torch.Tensor, starts: torch.Tensor, *, scratch: int
-                  ) -> tuple[torch.Tensor, ...]:
+def walk_and_keep(tokens: torch.Tensor, parent: torch.Tensor, rank: torch.Tensor,
+                  target: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, *,
+                  scratch: int) -> tuple[torch.Tensor, ...]:
     """The greedy walks of R trees of N nodes and where their accepted nodes go.
 
-    tokens, parent, target (the target's argmax at each node), slots (each node's cache slot
-    in the verify forward): [R, N] int64; starts: [R] committed lengths. Returns the host's
-    result [R, 2 + 2N] (accepted nodes, bonus token, accepted nodes then padding N, their
-    tokens), and per node row [R, N]: the node kept at that row (clamped path), the source and
-    destination slots of the KV move and the row's position; rows past the accepted path move
-    scratch onto scratch."""
+    tokens, parent, rank (selection ranks), target (the target's argmax at each node), slots
+    (each node's cache slot in the verify forward): [R, N] int64; starts: [R] committed
+    lengths. Returns the host's result [R, 2 + 3N] (accepted nodes, bonus token, accepted
+    nodes then padding N, their tokens, their ranks), and per node row [R, N]: the node kept
+    at that row (clamped path), the source and destination slots of the KV move and the row's
+    position; rows past the accepted path move scratch onto scratch."""
     r, n = tokens.shape
     w = greedy_walk(tokens, parent, torch.full((r,), n, device=tokens.device), target)
     path = w.path.clamp(max=n - 1)
@@ -41,7 +41,7 @@ def walk_and_keep(tokens: torch.Tensor, parent: torch.Tensor, target: torch.Tens
     src = torch.where(kept, slots.gather(1, path), scratch)
     dst = torch.where(kept, slots, scratch)
     result = torch.cat([w.num_accepted[:, None], w.bonus[:, None], w.path,
-                        tokens.gather(1, path)], 1)
+                        tokens.gather(1, path), rank.gather(1, path)], 1)
     return result, path, src, dst, starts[:, None] + offsets
 
 
@@ -49,9 +49,9 @@ class DeviceVerifier:
     """Verifies and commits `DeviceCandidates`."""
 
     def __init__(self, runner: ModelRunner, cache: KVCache, proposer: DFlashProposer,
-                 tree_size: int) -> None:
-        """`tree_size`: the nodes per tree (root included), captured for every batch bucket up
-        front (a capture on first use would stall that step)."""
+                 tree_sizes: list[int]) -> None:
+        """`tree_sizes`: the nodes per tree (root included) a step may verify, captured for
+        every batch bucket up front (a capture on first use would stall that step)."""
         self.runner, self.cache, self.proposer = runner, cache, proposer
         self._vocab_start = runner.model.lm_head.vocab_start
         self._scratch = runner.pages.scratch_slot
@@ -61,14 +61,17 @@ class DeviceVerifier:
         self.walks = RowGraphs(walk_and_keep, buckets, runner.device, use_graphs)
         if use_graphs:
             for rows in self.walks.buckets:
-                nodes = torch.zeros(rows, tree_size, dtype=torch.long, device=runner.device)
-                self.walks(nodes, nodes, nodes, nodes, nodes[:, 0], scratch=self._scratch)
+                for size in tree_sizes:
+                    nodes = torch.zeros(rows, size, dtype=torch.long, device=runner.device)
+                    self.walks(nodes, nodes, nodes, nodes, nodes, nodes[:, 0],
+                               scratch=self._scratch)
 
-    def verify(self, seqs: list[Sequence], cands: DeviceCandidates) -> list[Walk]:
+    def verify(self, seqs: list[Sequence], cands: DeviceCandidates
+               ) -> tuple[list[Walk], list[list[int] | None]]:
         """Verify and commit on the device; return per request the accepted nodes (root
-        first) and the committed tokens (accepted drafts + the bonus). The target and draft
-        caches hold the accepted nodes at logical indices start.. (page lengths are the
-        caller's to set)."""
+        first) and the committed tokens (accepted drafts + the bonus), and the accepted
+        drafts' selection ranks (trees; None for chains). The target and draft caches hold the
+        accepted nodes at logical indices start.. (page lengths are the caller's to set)."""
         r, n = cands.tokens.shape
         device = cands.tokens.device
         starts = to_device([s.num_computed for s in seqs], device)
@@ -83,8 +86,9 @@ class DeviceVerifier:
         assert features is not None, "verify must capture the drafter's target layers"
         slots = self.runner.last_batch.attn.slot_mapping.view(r, n)
         target = vocab_argmax(logits, self._vocab_start).view(r, n)
+        rank = cands.depth if chains else cands.rank  # a chain's node order is its selection
         result, path, src, dst, positions = self.walks(
-            cands.tokens, cands.parent, target, slots, starts, scratch=self._scratch)
+            cands.tokens, cands.parent, rank, target, slots, starts, scratch=self._scratch)
         self.cache.move(src.flatten(), dst.flatten())
         width = features.shape[-1]
         kept = features.view(r, n, width).gather(1, path[..., None].expand(r, n, width))
@@ -99,11 +103,12 @@ class DeviceVerifier:
             ahead = self.proposer.draft_ahead([s.seq_id for s in seqs],
                                               [s.num_computed for s in seqs], result[:, 0],
                                               result[:, 1], most=most)
-        walks, expected = [], []
+        walks, expected, ranks = [], [], []
         for s, (count, bonus, *rest) in zip(seqs, read().tolist()):
-            nodes, tokens = rest[:n][:count], rest[n:][:count]
+            nodes, tokens = rest[:n][:count], rest[n : 2 * n][:count]
             walks.append((nodes, tokens[1:] + [bonus]))
+            ranks.append(None if chains else rest[2 * n :][1:count])
             expected.append((s.seq_id, s.num_computed + count, bonus, block))
         if ahead is not None:
             ahead.blocks = expected
-        return walks
+        return walks, ranks

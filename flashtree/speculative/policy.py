@@ -1,12 +1,15 @@
-"""When to speculate. The engine asks the policy once per decode step, before drafting
-(`plan`: the draft budget, 0 for a plain step), and tells it the step's outcome after
+"""When to speculate, and how much. The engine asks the policy once per decode step, before
+drafting (`plan`: the draft budget, 0 for a plain step), and tells it the step's outcome after
 (`observe`).
 
 `FixedPolicy` verifies the full block or tree every step (the reference implementations'
 behaviour). `AdaptivePolicy` speculates where it is measured to be faster: per size class of
-batches (the batch sizes up to one power of two) it compares committed tokens per second of
-speculative steps with those of plain steps, both timed whole on this machine, and backs off
-exponentially (with probes) where speculation loses. A new size class starts from its
+batches (the batch sizes up to one power of two) it picks the draft budget (a DDTree engine's
+`SpecConfig.budgets`) that commits the most tokens per second, and compares that with plain
+steps, all timed whole on this machine; it backs off exponentially (with probes) where
+speculation loses. A step at a DDTree budget also tells what every smaller budget's tree would
+have committed (those trees are subtrees of its tree), so acceptance is known for the budgets
+below the one run; each budget is timed where it runs. A new size class starts from its
 neighbours' verdicts: backed off above one where speculation lost, speculating below one where
 it won (plain steps timed later).
 Measurements behind the constants: docs/speculation.md."""
@@ -16,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,10 +39,17 @@ _CLASSES = tuple(1 << i for i in range(13))  # the size classes a decision cover
 class StepResult:
     """A decode step as the policy sees it."""
 
-    speculative: bool
+    budget: int  # the step's draft budget (0: a plain step)
     requests: int
     committed: int  # tokens the step committed over the batch
     seconds: float  # wall time of the whole step, scheduling included
+    # Tokens the batch would have committed at each budget up to the step's own (that one
+    # included), where the step can tell (best-first trees); None: its own only.
+    committed_at: Mapping[int, int] | None = None
+
+    @property
+    def speculative(self) -> bool:
+        return self.budget > 0
 
 
 class SpecPolicy(Protocol):
@@ -64,21 +75,20 @@ class FixedPolicy:
         pass
 
     def decisions(self) -> FollowedPolicy:
-        return FollowedPolicy(self.budget, frozenset(_CLASSES))
+        return FollowedPolicy({k: self.budget for k in _CLASSES})
 
 
 @dataclass(frozen=True)
 class FollowedPolicy:
-    """Another policy's decisions for the next steps: its budget at the size classes in
-    `speculating`, a plain step at the others. Step times differ between tensor-parallel ranks,
-    so rank 0's policy decides for all: each step's command carries its `decisions()`, and the
-    other ranks plan by them."""
+    """Another policy's decisions for the next steps: the budget at each size class (absent:
+    a plain step). Step times differ between tensor-parallel ranks, so rank 0's policy decides
+    for all: each step's command carries its `decisions()`, and the other ranks plan by
+    them."""
 
-    budget: int
-    speculating: frozenset[int]
+    budgets: Mapping[int, int]
 
     def plan(self, requests: int) -> int:
-        return self.budget if size_class_of(requests) in self.speculating else 0
+        return self.budgets.get(size_class_of(requests), 0)
 
     def observe(self, result: StepResult) -> None:
         pass
@@ -94,35 +104,69 @@ def size_class_of(requests: int) -> int:
 
 
 @dataclass
+class _Budget:
+    """What one draft budget has measured within a size class."""
+
+    seconds: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMED_STEPS))
+    accepted: float = 0.0  # moving average of tokens committed per request per step
+    steps: int = 0  # steps that told its acceptance (the average's weight while young)
+
+    def observe_accepted(self, per_request: float) -> None:
+        self.steps += 1
+        self.accepted += (per_request - self.accepted) / min(self.steps, _ACCEPT_WINDOW)
+
+    def timed(self) -> bool:
+        return len(self.seconds) >= _MIN_TIMED
+
+    def tokens_per_second(self) -> float:
+        return self.accepted / statistics.median(self.seconds)
+
+
+@dataclass
 class _SizeClass:
     """What one size class of batches has measured, and its back-off."""
 
+    budgets: dict[int, _Budget]
     plain_s: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMED_STEPS))
-    spec_s: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMED_STEPS))
-    accepted: float = 0.0  # moving average of tokens committed per request per speculative step
-    spec_steps: int = 0  # speculative steps seen (the average's weight while young)
     plain_left: int = 1 + _MIN_TIMED  # plain steps to run before the next speculative one
     backoff: int = 0
     since_plain: int = 0  # speculative steps since the last plain one
+    retime: list[int] = field(default_factory=list)  # budgets to time once more, next steps
+
+    def best(self) -> int:
+        """The timed budget that commits the most tokens per second (the largest untimed one
+        while any is: it is timed first)."""
+        untimed = [b for b, m in self.budgets.items() if not m.timed()]
+        if untimed:
+            return max(untimed)
+        return max(self.budgets, key=lambda b: self.budgets[b].tokens_per_second())
+
+    def next_budget(self) -> int:
+        """The next step's budget (0: plain)."""
+        if self.retime:
+            return self.retime[0]
+        return 0 if self.plain_left > 0 else self.best()
 
     def probe_steps(self) -> float:
         """What a probe's speculative steps cost, in plain steps."""
-        return (1 + _MIN_TIMED) * statistics.median(self.spec_s) / statistics.median(self.plain_s)
+        spec_s = self.budgets[self.best()].seconds
+        return (1 + _MIN_TIMED) * statistics.median(spec_s) / statistics.median(self.plain_s)
 
     def speculation_loses(self) -> bool | None:
-        """Whether speculative steps commit fewer tokens per second than plain ones (None
-        until both kinds have been timed often enough)."""
-        if len(self.plain_s) < _MIN_TIMED or len(self.spec_s) < _MIN_TIMED:
+        """Whether the best budget's steps commit fewer tokens per second than plain ones
+        (None until plain steps and every budget have been timed often enough)."""
+        if len(self.plain_s) < _MIN_TIMED or not all(m.timed() for m in self.budgets.values()):
             return None
-        return self.accepted / statistics.median(self.spec_s) < 1 / statistics.median(
+        return self.budgets[self.best()].tokens_per_second() < 1 / statistics.median(
             self.plain_s)
 
 
 class AdaptivePolicy:
-    """Speculate (at `budget`) while measured speculative tokens/s beat plain tokens/s."""
+    """Speculate (at the fastest of `budgets`) while measured speculative tokens/s beat plain
+    tokens/s."""
 
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
+    def __init__(self, budgets: int | Sequence[int]) -> None:
+        self.budgets = (budgets,) if isinstance(budgets, int) else tuple(budgets)
         self.size_classes: dict[int, _SizeClass] = {}
         self._last_speculative: bool | None = None
 
@@ -137,54 +181,65 @@ class AdaptivePolicy:
         class where it lost the new one starts backed off as that one is, and below a class
         where it won the new one starts speculating, instead of paying a first probe of its own
         (a batch that drains passes through every class below its own)."""
+        fresh = _SizeClass({b: _Budget() for b in self.budgets})
         below = [k for k in self.size_classes if k < key]
         if below:
             nearest = self.size_classes[max(below)]
             if nearest.backoff:
-                return _SizeClass(plain_left=nearest.backoff, backoff=nearest.backoff)
+                fresh.plain_left = fresh.backoff = nearest.backoff
+                return fresh
         above = [k for k in self.size_classes if k > key]
         if above and self.size_classes[min(above)].speculation_loses() is False:
-            return _SizeClass(plain_left=0)
-        return _SizeClass()
+            fresh.plain_left = 0
+        return fresh
 
     def decisions(self) -> FollowedPolicy:
         """What the next step plans at each size class (a new class as `at` would start it,
         without keeping it)."""
-        return FollowedPolicy(self.budget, frozenset(
-            k for k in _CLASSES if self.size_classes.get(k, self._new_size_class(k)).plain_left
-            == 0))
+        planned = {k: self.size_classes.get(k, None) or self._new_size_class(k)
+                   for k in _CLASSES}
+        return FollowedPolicy({k: b for k, c in planned.items() if (b := c.next_budget())})
 
     def plan(self, requests: int) -> int:
         size_class = self.at(requests)
-        speculate = size_class.plain_left == 0
-        if not speculate:
-            size_class.plain_left = max(0, size_class.plain_left - 1)
-        return self.budget if speculate else 0
+        budget = size_class.next_budget()
+        if size_class.retime:
+            size_class.retime.pop(0)
+        elif budget == 0:
+            size_class.plain_left -= 1
+        return budget
 
     def observe(self, result: StepResult) -> None:
         size_class = self.at(result.requests)
         # The first step after a switch runs cold (caches, the drafter's catch-up): untimed.
         if result.speculative == self._last_speculative:
-            times = size_class.spec_s if result.speculative else size_class.plain_s
+            times = (size_class.budgets[result.budget].seconds if result.speculative
+                     else size_class.plain_s)
             times.append(result.seconds)
         self._last_speculative = result.speculative
         if not result.speculative:
             return
-        size_class.spec_steps += 1
-        rate = 1 / min(size_class.spec_steps, _ACCEPT_WINDOW)
-        size_class.accepted += rate * (result.committed / result.requests - size_class.accepted)
+        committed_at = result.committed_at or {result.budget: result.committed}
+        for budget, committed in committed_at.items():
+            if budget in size_class.budgets:
+                size_class.budgets[budget].observe_accepted(committed / result.requests)
         size_class.since_plain += 1
         loses = size_class.speculation_loses()
         if loses:
             longer = max(2 * size_class.backoff, math.ceil(size_class.probe_steps() / _PROBE_SHARE))
             size_class.backoff = min(longer, _MAX_BACKOFF)
             size_class.plain_left = size_class.backoff
-            size_class.spec_s.clear()  # the probe after the back-off times speculation afresh
+            # The probe after the back-off times the best budget afresh.
+            size_class.budgets[size_class.best()].seconds.clear()
             size_class.since_plain = 0
         elif size_class.since_plain >= _RETIME_EVERY:
             if loses is False:
                 size_class.plain_left = 2  # one cold, one timed
                 size_class.backoff = 0  # speculation held its own for a whole stretch
+                # Budgets other than the best are timed once more, before the plain steps
+                # (whose first speculative step after runs cold).
+                best = size_class.best()
+                size_class.retime = [b for b in self.budgets if b != best]
             else:  # a class that started speculating: time plain decoding for a verdict
-                size_class.plain_left = 1 + _MIN_TIMED - len(size_class.plain_s)
+                size_class.plain_left = max(0, 1 + _MIN_TIMED - len(size_class.plain_s))
             size_class.since_plain = 0

@@ -31,18 +31,20 @@ class SpeculativeStep:
         self.cfg, self.proposer, self.runner = cfg, proposer, runner
         self.cache, self.pages = cache, pages
         self.builder = CandidateBuilder(cfg, runner)
-        self.device_verifier = DeviceVerifier(runner, cache, proposer, cfg.max_budget + 1)
+        self.device_verifier = DeviceVerifier(runner, cache, proposer,
+                                              [b + 1 for b in cfg.budgets])
 
-    def run(self, seqs: list[Sequence]) -> list[Verified]:
+    def run(self, seqs: list[Sequence], budget: int) -> list[Verified]:
         """Returns what each request commits (accepted drafts + the target's next one) and how
         many candidates it verified; target and draft KV already hold every committed token
-        but the last."""
+        but the last. `budget`: DDTree nodes, one of the config's `budgets`."""
+        assert budget in self.cfg.budgets, f"budget {budget}; captured: {self.cfg.budgets}"
         self.proposer.flush()
         sizes = self._block_sizes(seqs)
         if (all(s.params.argmax_only for s in seqs)
                 and all(b == self.cfg.block_size for b in sizes)):
-            return self._on_device(seqs, sizes)
-        return self._on_host(seqs, sizes)
+            return self._on_device(seqs, sizes, budget)
+        return self._on_host(seqs, sizes, budget)
 
     def _block_sizes(self, seqs: list[Sequence]) -> list[int]:
         """Each request's draft block, its bonus token included (1: nothing to draft)."""
@@ -58,34 +60,42 @@ class SpeculativeStep:
         blocks = [(s.seq_id, s.num_computed, s.last_token, b) for s, b in zip(seqs, sizes) if b > 1]
         return self.proposer.draft_logits(blocks, gather=full) if blocks else None
 
-    def _on_device(self, seqs: list[Sequence], sizes: list[int]) -> list[Verified]:
+    def _on_device(self, seqs: list[Sequence], sizes: list[int], budget: int
+                   ) -> list[Verified]:
         logits = self._draft(seqs, sizes, full=False)
         assert logits is not None, "every request of a device step drafts a whole block"
-        cands = self.builder.on_device(seqs, logits)
-        walks = self.device_verifier.verify(seqs, cands)
+        cands = self.builder.on_device(seqs, logits, budget)
+        walks, ranks = self.device_verifier.verify(seqs, cands)
         n = cands.tokens.shape[1]
-        return self._commit(seqs, walks, [n] * len(seqs), [None] * len(seqs))
+        return self._commit(seqs, walks, [n] * len(seqs), [None] * len(seqs), ranks)
 
-    def _on_host(self, seqs: list[Sequence], sizes: list[int]) -> list[Verified]:
+    def _on_host(self, seqs: list[Sequence], sizes: list[int], budget: int
+                 ) -> list[Verified]:
         # Only RRS sampling needs whole draft distributions; argmax and tree top-k run on the
         # TP ranks' vocab slices.
         full = self.cfg.tree_sampling == "rrs" and any(
             not s.params.greedy for s, b in zip(seqs, sizes) if b > 1)
-        cands = self.builder.on_host(seqs, sizes, self._draft(seqs, sizes, full), full)
+        cands = self.builder.on_host(seqs, sizes, self._draft(seqs, sizes, full), full, budget)
         walks, features, logits = self._verify(seqs, cands)
         counts = [len(c.tokens) for c in cands]
         self._keep(seqs, walks, counts, features)
-        return self._commit(seqs, walks, counts, _path_logits(seqs, walks, counts, logits))
+        ranks = [None if c.ranks is None else [c.ranks[v] for v in path[1:]]
+                 for c, (path, _) in zip(cands, walks)]
+        return self._commit(seqs, walks, counts, _path_logits(seqs, walks, counts, logits),
+                            ranks)
 
     def _commit(self, seqs: list[Sequence], walks: list[Walk], counts: list[int],
-                path_logits: list[torch.Tensor | None]) -> list[Verified]:
+                path_logits: list[torch.Tensor | None], ranks: list[list[int] | None]
+                ) -> list[Verified]:
         """Advance each request past its accepted nodes; `counts`: its verified nodes (root
-        included)."""
+        included); `ranks`: its accepted drafts' selection ranks (None: not a best-first
+        tree)."""
         committed = []
-        for seq, (path, new), n, rows in zip(seqs, walks, counts, path_logits):
+        for seq, (path, new), n, rows, accepted_ranks in zip(seqs, walks, counts, path_logits,
+                                                             ranks):
             seq.num_computed += len(path)
             self.pages.set_length(seq.seq_id, seq.num_computed)
-            committed.append(Verified(new, n - 1, rows))
+            committed.append(Verified(new, n - 1, rows, accepted_ranks))
         return committed
 
     def _verify(self, seqs: list[Sequence], cands: list[Candidates]

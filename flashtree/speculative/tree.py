@@ -25,6 +25,9 @@ class DraftTrees:
     tokens: torch.Tensor  # [R, N] int64
     depth: torch.Tensor  # [R, N] int64, root 0
     parent: torch.Tensor  # [R, N] int64, root and padding point at 0
+    # [R, N] int64: k for the k-th node selected (root 0). The tree of any budget b below this
+    # one is its nodes of rank <= b, so a walk tells what each smaller tree would have accepted.
+    rank: torch.Tensor
     num_nodes: torch.Tensor  # [R] int64, root included
     visible: torch.Tensor  # [R, N, N] bool: node a sees node b iff b is a or an ancestor of a
 
@@ -112,10 +115,13 @@ def tree_from_levels(levels: BestFirstLevels, top_tok: torch.Tensor, roots: torc
                               node_of.gather(1, parent_entry.clamp(min=0)))
     zero = torch.zeros(r, 1, dtype=torch.long, device=device)
     parent = torch.cat([zero, parent_node], dim=1)
+    rank_of_entry = torch.zeros(r, total, dtype=torch.long, device=device).scatter_(
+        1, chosen, torch.arange(1, n_sel + 1, device=device).expand(r, n_sel))
     return DraftTrees(
         tokens=torch.cat([roots.to(device).long()[:, None], tokens.gather(1, order)], dim=1),
         depth=torch.cat([zero, (depth_of + 1)[order]], dim=1),
         parent=parent,
+        rank=torch.cat([zero, rank_of_entry.gather(1, order)], dim=1),
         num_nodes=torch.full((r,), n_sel + 1, dtype=torch.long, device=device),
         visible=ancestor_mask(parent),
     )

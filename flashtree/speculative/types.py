@@ -23,6 +23,7 @@ class Candidates:
     depths: list[int]  # [n] root 0
     visible: torch.Tensor | None = None  # [n, n] ancestor-or-self mask; None: causal chain
     draft_probs: torch.Tensor | None = None  # [L, V] q rows when the candidates were sampled
+    ranks: list[int] | None = None  # best-first trees: each node's selection rank (`DraftTrees`)
 
     def positions(self, start: int) -> list[int] | None:
         """Each node's position after `start` committed tokens, start + depth (None for a
@@ -38,13 +39,14 @@ class Candidates:
 
     @staticmethod
     def tree(tokens: list[int], parents: list[int], depths: list[int], visible: torch.Tensor,
-             draft_probs: torch.Tensor | None = None) -> Candidates:
+             draft_probs: torch.Tensor | None = None, ranks: list[int] | None = None
+             ) -> Candidates:
         children: list[dict[int, int]] = [{} for _ in tokens]
         for node in range(1, len(tokens)):
             assert parents[node] < node, f"node {node} has parent {parents[node]}: not topological"
             assert tokens[node] not in children[parents[node]], f"duplicate sibling at {node}"
             children[parents[node]][tokens[node]] = node
-        return Candidates(tokens, children, list(parents), depths, visible, draft_probs)
+        return Candidates(tokens, children, list(parents), depths, visible, draft_probs, ranks)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class DeviceCandidates:
     parent: torch.Tensor  # [R, N] int64
     depth: torch.Tensor  # [R, N] int64
     visible: torch.Tensor | None  # [R, N, N] bool; None: causal chains
+    rank: torch.Tensor | None  # [R, N] int64 DDTrees' selection ranks (`DraftTrees`)
 
 
 class Verified(NamedTuple):
@@ -66,3 +69,6 @@ class Verified(NamedTuple):
     # The target's logits that decided each token [len(tokens), vocab], for a request that
     # asked for log-probs (else None).
     logits: torch.Tensor | None = None
+    # A best-first DDTree's accepted drafts' selection ranks: a tree of budget b would have
+    # accepted those <= b (None: a chain or a sampled tree).
+    accepted_ranks: list[int] | None = None

@@ -47,7 +47,7 @@ class _Recorded:
 
     def __init__(self, policy, clock=None) -> None:
         self.policy, self.clock = policy, clock
-        self.budget = policy.budget
+        self.budget = policy.budgets[0] if isinstance(policy, AdaptivePolicy) else policy.budget
         self.speculated: list[bool] = []
 
     def plan(self, requests: int) -> int:

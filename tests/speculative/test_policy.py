@@ -4,6 +4,8 @@ exponentially where they do not, and probes again after each back-off."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from flashtree.speculative.policy import AdaptivePolicy, FixedPolicy, StepResult, size_class_of
@@ -18,10 +20,10 @@ def drive(policy, steps: int, requests: int, spec_seconds: float, accepted: floa
     one token. Returns which steps speculated."""
     chosen = []
     for _ in range(steps):
-        speculate = policy.plan(requests) > 0
-        seconds, per_request = (spec_seconds, accepted) if speculate else (plain_seconds, 1)
-        policy.observe(StepResult(speculate, requests, round(per_request * requests), seconds))
-        chosen.append(speculate)
+        budget = policy.plan(requests)
+        seconds, per_request = (spec_seconds, accepted) if budget else (plain_seconds, 1)
+        policy.observe(StepResult(budget, requests, round(per_request * requests), seconds))
+        chosen.append(budget > 0)
     return chosen
 
 
@@ -134,3 +136,67 @@ def test_a_smaller_batch_that_took_a_win_still_backs_off_where_it_loses():
     smaller = drive(policy, 600, 16, spec_seconds=1.5, accepted=1.2)
     assert smaller[0] and policy.at(16).backoff > 0
     assert sum(smaller[-300:]) < 10
+
+
+LADDER = (63, 15, 3)
+
+
+def drive_ladder(policy, steps: int, requests: int, costs: dict[int, tuple[float, float]]
+                 ) -> list[int]:
+    """Decode steps where a step at budget b takes costs[b][0] plain steps and commits
+    costs[b][1] tokens per request, and tells what each smaller budget would have committed
+    (as a best-first tree's step does). Returns the budgets run (0: plain)."""
+    chosen = []
+    for _ in range(steps):
+        budget = policy.plan(requests)
+        seconds, per_request = costs[budget] if budget else (1.0, 1.0)
+        told = {b: round(costs[b][1] * requests) for b in LADDER if b <= budget} or None
+        policy.observe(StepResult(budget, requests, round(per_request * requests), seconds,
+                                  told))
+        chosen.append(budget)
+    return chosen
+
+
+@pytest.mark.parametrize("costs, best", [
+    ({63: (2.0, 8.0), 15: (1.5, 5.0), 3: (1.2, 2.5)}, 63),  # a lone request: the big tree
+    ({63: (6.0, 8.0), 15: (2.0, 5.0), 3: (1.3, 2.5)}, 15),  # a large batch: a small tree
+    ({63: (6.0, 8.0), 15: (4.0, 5.0), 3: (1.1, 2.5)}, 3),
+])
+def test_each_size_class_runs_the_budget_with_the_most_tokens_per_second(costs, best):
+    chosen = drive_ladder(AdaptivePolicy(LADDER), 1000, 8, costs)
+    # Plain decoding is timed, then each budget, largest first (its first step runs cold).
+    assert chosen[:18] == [0] * 5 + [63] * 5 + [15] * 4 + [3] * 4
+    assert chosen[-500:].count(best) > 0.9 * 500
+    # The others are re-timed once per stretch, with plain decoding.
+    assert set(chosen[-500:]) == {0, *LADDER}
+
+
+def test_smaller_budgets_learn_their_acceptance_from_larger_steps():
+    policy = AdaptivePolicy(LADDER)
+    costs = {63: (2.0, 8.0), 15: (1.5, 5.0), 3: (1.2, 2.5)}
+    chosen = drive_ladder(policy, 300, 2, costs)
+    measured = policy.at(2).budgets
+    assert chosen.count(3) < 20  # run only to be timed ...
+    assert measured[3].steps > 250  # ... yet its acceptance followed every speculative step
+    assert {b: m.accepted for b, m in measured.items()} == pytest.approx(
+        {b: c[1] for b, c in costs.items()})
+
+
+def test_where_every_budget_loses_the_class_backs_off():
+    costs = {63: (9.0, 3.0), 15: (4.0, 2.0), 3: (2.0, 1.5)}
+    chosen = drive_ladder(AdaptivePolicy(LADDER), 3000, 32, costs)
+    assert chosen[5:10] == [63] * 5  # the largest first, then each smaller one is timed
+    assert sum(b > 0 for b in chosen[-2000:]) < 0.02 * 2000
+
+
+def test_followers_plan_what_the_policy_plans():
+    """Tensor-parallel ranks follow rank 0's `decisions()`: every step, at every batch size,
+    they must plan the budget rank 0's policy then plans."""
+    rng = random.Random(0)
+    policy = AdaptivePolicy(LADDER)
+    for _ in range(3000):
+        requests = rng.choice([1, 2, 3, 7, 30, 64])
+        scale = requests ** 0.5
+        costs = {63: (2.0 * scale, 8.0), 15: (1.5 * scale ** 0.5, 5.0), 3: (1.2, 2.5)}
+        followed = policy.decisions().plan(requests)
+        assert followed == drive_ladder(policy, 1, requests, costs)[0]

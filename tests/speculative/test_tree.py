@@ -95,6 +95,25 @@ def test_smaller_budgets_from_shared_levels_are_the_best_prefixes(seed):
             assert got == _brute_force_top(logp[i], budget, None)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_nodes_ranked_within_a_budget_are_that_budgets_tree(seed):
+    """A walk of the largest tree tells what a smaller budget's tree would have accepted (the
+    adaptive policy's acceptance per budget): the nodes of selection rank <= b are the
+    brute-force best b prefixes, and every node ranks after its parent."""
+    gen = torch.Generator().manual_seed(seed)
+    depth, vocab, budget = 4, 5, 40
+    logits = torch.randn(3, depth, vocab, generator=gen) * 2
+    trees = build_trees(logits, torch.tensor([1, 2, 3]), budget)
+    logp = torch.log_softmax(logits.double(), -1)
+    for i in range(3):
+        paths, rank = _tree_prefixes(trees, i), trees.rank[i].tolist()
+        assert sorted(rank) == list(range(budget + 1))
+        assert all(rank[v] > rank[int(trees.parent[i, v])] for v in range(1, budget + 1))
+        for b in (1, 3, 10, 25):
+            within = {paths[v] for v in paths if 0 < rank[v] <= b}
+            assert within == _brute_force_top(logp[i], b, None)
+
+
 @pytest.mark.parametrize("budget", [63, 255])
 def test_float32_trees_are_the_float64_trees_up_to_rounding(budget):
     """The engine scores prefixes in float32; a float64 build of the same drafts selects the

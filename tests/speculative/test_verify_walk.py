@@ -76,14 +76,16 @@ def test_walk_and_keep_moves_exactly_the_accepted_nodes_into_place():
                       for ch in c.children] for c in cands]
         slots = torch.randperm(1000, generator=gen)[: len(cands) * n].view(len(cands), n)
         starts = torch.randint(0, 500, (len(cands),), generator=gen)
+        ranks = torch.stack([torch.randperm(n, generator=gen) for _ in cands])
         result, path, src, dst, positions = walk_and_keep(
             torch.tensor([c.tokens for c in cands]), torch.tensor([c.parents for c in cands]),
-            torch.tensor(decisions), slots, starts, scratch=scratch)
+            ranks, torch.tensor(decisions), slots, starts, scratch=scratch)
         for i, (c, d) in enumerate(zip(cands, decisions)):
             nodes, out = walk(c.children, lambda v, _prev, d=d: d[v])
             count, bonus, *rest = result[i].tolist()
             assert count == len(nodes) and rest[:count] == nodes
             assert rest[n : n + count] == [c.tokens[v] for v in nodes]
+            assert rest[2 * n : 2 * n + count] == [int(ranks[i, v]) for v in nodes]
             assert [c.tokens[v] for v in nodes[1:]] + [bonus] == out
             assert path[i, :count].tolist() == nodes
             assert src[i, :count].tolist() == [int(slots[i, v]) for v in nodes]

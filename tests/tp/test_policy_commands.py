@@ -25,7 +25,7 @@ class _Switching:
 
     def decisions(self) -> FollowedPolicy:
         self.speculate = self.rng.random() < 0.5
-        return FollowedPolicy(self.budget, frozenset({1, 2, 4, 8} if self.speculate else ()))
+        return FollowedPolicy(dict.fromkeys((1, 2, 4, 8), self.budget) if self.speculate else {})
 
     def plan(self, requests: int) -> int:
         assert size_class_of(requests) <= 8
