@@ -132,14 +132,35 @@ class _SizeClass:
     backoff: int = 0
     since_plain: int = 0  # speculative steps since the last plain one
     retime: list[int] = field(default_factory=list)  # budgets to time once more, next steps
+    # best() and speculation_loses() until the next observation (decisions() asks every step).
+    _verdict: tuple[int, bool | None] | None = None
+
+    def observed(self) -> None:
+        """Its measurements changed."""
+        self._verdict = None
 
     def best(self) -> int:
         """The timed budget that commits the most tokens per second (the largest untimed one
         while any is: it is timed first)."""
-        untimed = [b for b, m in self.budgets.items() if not m.timed()]
-        if untimed:
-            return max(untimed)
-        return max(self.budgets, key=lambda b: self.budgets[b].tokens_per_second())
+        return self._judged()[0]
+
+    def speculation_loses(self) -> bool | None:
+        """Whether the best budget's steps commit fewer tokens per second than plain ones
+        (None until plain steps and every budget have been timed often enough)."""
+        return self._judged()[1]
+
+    def _judged(self) -> tuple[int, bool | None]:
+        if self._verdict is None:
+            untimed = [b for b, m in self.budgets.items() if not m.timed()]
+            if untimed:
+                self._verdict = max(untimed), None
+            else:
+                best = max(self.budgets, key=lambda b: self.budgets[b].tokens_per_second())
+                loses = None if len(self.plain_s) < _MIN_TIMED else (
+                    self.budgets[best].tokens_per_second()
+                    < 1 / statistics.median(self.plain_s))
+                self._verdict = best, loses
+        return self._verdict
 
     def next_budget(self) -> int:
         """The next step's budget (0: plain)."""
@@ -152,13 +173,6 @@ class _SizeClass:
         spec_s = self.budgets[self.best()].seconds
         return (1 + _MIN_TIMED) * statistics.median(spec_s) / statistics.median(self.plain_s)
 
-    def speculation_loses(self) -> bool | None:
-        """Whether the best budget's steps commit fewer tokens per second than plain ones
-        (None until plain steps and every budget have been timed often enough)."""
-        if len(self.plain_s) < _MIN_TIMED or not all(m.timed() for m in self.budgets.values()):
-            return None
-        return self.budgets[self.best()].tokens_per_second() < 1 / statistics.median(
-            self.plain_s)
 
 
 class AdaptivePolicy:
@@ -166,7 +180,7 @@ class AdaptivePolicy:
     tokens/s."""
 
     def __init__(self, budgets: int | Sequence[int]) -> None:
-        self.budgets = (budgets,) if isinstance(budgets, int) else tuple(budgets)
+        self.budgets = (budgets,) if isinstance(budgets, int) else tuple(sorted(budgets)[::-1])
         self.size_classes: dict[int, _SizeClass] = {}
         self._last_speculative: bool | None = None
 
@@ -182,23 +196,25 @@ class AdaptivePolicy:
         where it won the new one starts speculating, instead of paying a first probe of its own
         (a batch that drains passes through every class below its own)."""
         fresh = _SizeClass({b: _Budget() for b in self.budgets})
-        below = [k for k in self.size_classes if k < key]
-        if below:
-            nearest = self.size_classes[max(below)]
-            if nearest.backoff:
-                fresh.plain_left = fresh.backoff = nearest.backoff
-                return fresh
-        above = [k for k in self.size_classes if k > key]
-        if above and self.size_classes[min(above)].speculation_loses() is False:
-            fresh.plain_left = 0
+        backoff, speculating = self._start_of(key)
+        fresh.plain_left = 0 if speculating else (backoff or fresh.plain_left)
+        fresh.backoff = backoff
         return fresh
 
+    def _start_of(self, key: int) -> tuple[int, bool]:
+        """A new size class's back-off and whether it speculates at once (`_new_size_class`)."""
+        below = [k for k in self.size_classes if k < key]
+        if below and (backoff := self.size_classes[max(below)].backoff):
+            return backoff, False
+        above = [k for k in self.size_classes if k > key]
+        return 0, bool(above) and self.size_classes[min(above)].speculation_loses() is False
+
     def decisions(self) -> FollowedPolicy:
-        """What the next step plans at each size class (a new class as `at` would start it,
-        without keeping it)."""
-        planned = {k: self.size_classes.get(k, None) or self._new_size_class(k)
-                   for k in _CLASSES}
-        return FollowedPolicy({k: b for k, c in planned.items() if (b := c.next_budget())})
+        """What the next step plans at each size class (a new class as `at` would start it:
+        at the largest budget, which it times first, or plain)."""
+        planned = {k: c.next_budget() if (c := self.size_classes.get(k)) is not None
+                   else self.budgets[0] if self._start_of(k)[1] else 0 for k in _CLASSES}
+        return FollowedPolicy({k: b for k, b in planned.items() if b})
 
     def plan(self, requests: int) -> int:
         size_class = self.at(requests)
@@ -211,6 +227,7 @@ class AdaptivePolicy:
 
     def observe(self, result: StepResult) -> None:
         size_class = self.at(result.requests)
+        size_class.observed()
         # The first step after a switch runs cold (caches, the drafter's catch-up): untimed.
         if result.speculative == self._last_speculative:
             times = (size_class.budgets[result.budget].seconds if result.speculative
@@ -231,6 +248,7 @@ class AdaptivePolicy:
             size_class.plain_left = size_class.backoff
             # The probe after the back-off times the best budget afresh.
             size_class.budgets[size_class.best()].seconds.clear()
+            size_class.observed()
             size_class.since_plain = 0
         elif size_class.since_plain >= _RETIME_EVERY:
             if loses is False:
