@@ -124,55 +124,66 @@ class _Budget:
 
 @dataclass
 class _SizeClass:
-    """What one size class of batches has measured, and its back-off."""
+    """What one size class of batches has measured, and its back-off. Its budgets climb the
+    ladder (largest first) from `start`: the best timed budget's untimed neighbours are timed
+    next, the smaller first, so a budget two rungs below one that lost to its neighbour is
+    never tried (tokens per second rise, then fall, along the ladder)."""
 
-    budgets: dict[int, _Budget]
+    budgets: dict[int, _Budget]  # the ladder, largest first
+    start: int  # the budget run before any is timed
     plain_s: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMED_STEPS))
     plain_left: int = 1 + _MIN_TIMED  # plain steps to run before the next speculative one
     backoff: int = 0
     since_plain: int = 0  # speculative steps since the last plain one
     retime: list[int] = field(default_factory=list)  # budgets to time once more, next steps
-    # best() and speculation_loses() until the next observation (decisions() asks every step).
-    _verdict: tuple[int, bool | None] | None = None
+    # (best, the budget to run, speculation_loses) until the next observation: decisions()
+    # asks every step.
+    _verdict: tuple[int, int, bool | None] | None = None
 
     def observed(self) -> None:
         """Its measurements changed."""
         self._verdict = None
 
     def best(self) -> int:
-        """The timed budget that commits the most tokens per second (the largest untimed one
-        while any is: it is timed first)."""
+        """The timed budget that commits the most tokens per second (`start` until one is)."""
         return self._judged()[0]
 
     def speculation_loses(self) -> bool | None:
         """Whether the best budget's steps commit fewer tokens per second than plain ones
-        (None until plain steps and every budget have been timed often enough)."""
-        return self._judged()[1]
+        (None until plain steps, the best budget and its neighbours are timed)."""
+        return self._judged()[2]
 
-    def _judged(self) -> tuple[int, bool | None]:
+    def neighbours(self, budget: int) -> list[int]:
+        """The budgets beside `budget` on the ladder, the smaller first."""
+        ladder = list(self.budgets)
+        i = ladder.index(budget)
+        return [ladder[j] for j in (i + 1, i - 1) if 0 <= j < len(ladder)]
+
+    def _judged(self) -> tuple[int, int, bool | None]:
         if self._verdict is None:
-            untimed = [b for b, m in self.budgets.items() if not m.timed()]
-            if untimed:
-                self._verdict = max(untimed), None
+            timed = [b for b, m in self.budgets.items() if m.timed()]
+            best = max(timed, key=lambda b: self.budgets[b].tokens_per_second(), default=None)
+            if best is None:
+                self._verdict = self.start, self.start, None
+            elif untimed := [b for b in self.neighbours(best) if not self.budgets[b].timed()]:
+                self._verdict = best, untimed[0], None
             else:
-                best = max(self.budgets, key=lambda b: self.budgets[b].tokens_per_second())
                 loses = None if len(self.plain_s) < _MIN_TIMED else (
                     self.budgets[best].tokens_per_second()
                     < 1 / statistics.median(self.plain_s))
-                self._verdict = best, loses
+                self._verdict = best, best, loses
         return self._verdict
 
     def next_budget(self) -> int:
         """The next step's budget (0: plain)."""
         if self.retime:
             return self.retime[0]
-        return 0 if self.plain_left > 0 else self.best()
+        return 0 if self.plain_left > 0 else self._judged()[1]
 
     def probe_steps(self) -> float:
         """What a probe's speculative steps cost, in plain steps."""
         spec_s = self.budgets[self.best()].seconds
         return (1 + _MIN_TIMED) * statistics.median(spec_s) / statistics.median(self.plain_s)
-
 
 
 class AdaptivePolicy:
@@ -194,26 +205,35 @@ class AdaptivePolicy:
         """A size class not seen before. Speculation gains less as the batch grows, so above a
         class where it lost the new one starts backed off as that one is, and below a class
         where it won the new one starts speculating, instead of paying a first probe of its own
-        (a batch that drains passes through every class below its own)."""
-        fresh = _SizeClass({b: _Budget() for b in self.budgets})
-        backoff, speculating = self._start_of(key)
+        (a batch that drains passes through every class below its own). Its budgets climb from
+        the nearest class's best (the largest budget for the first class)."""
+        backoff, speculating, start = self._start_of(key)
+        fresh = _SizeClass({b: _Budget() for b in self.budgets}, start)
         fresh.plain_left = 0 if speculating else (backoff or fresh.plain_left)
         fresh.backoff = backoff
         return fresh
 
-    def _start_of(self, key: int) -> tuple[int, bool]:
-        """A new size class's back-off and whether it speculates at once (`_new_size_class`)."""
+    def _start_of(self, key: int) -> tuple[int, bool, int]:
+        """A new size class's back-off, whether it speculates at once and its starting budget
+        (`_new_size_class`)."""
         below = [k for k in self.size_classes if k < key]
-        if below and (backoff := self.size_classes[max(below)].backoff):
-            return backoff, False
         above = [k for k in self.size_classes if k > key]
-        return 0, bool(above) and self.size_classes[min(above)].speculation_loses() is False
+        nearest = min(below + above, key=lambda k: abs(math.log2(k / key)), default=None)
+        start = self.budgets[0] if nearest is None else self.size_classes[nearest].best()
+        if below and (backoff := self.size_classes[max(below)].backoff):
+            return backoff, False, start
+        speculating = bool(above) and self.size_classes[min(above)].speculation_loses() is False
+        return 0, speculating, start
 
     def decisions(self) -> FollowedPolicy:
-        """What the next step plans at each size class (a new class as `at` would start it:
-        at the largest budget, which it times first, or plain)."""
-        planned = {k: c.next_budget() if (c := self.size_classes.get(k)) is not None
-                   else self.budgets[0] if self._start_of(k)[1] else 0 for k in _CLASSES}
+        """What the next step plans at each size class (a new class as `at` would start it)."""
+        planned = {}
+        for k in _CLASSES:
+            if (c := self.size_classes.get(k)) is not None:
+                planned[k] = c.next_budget()
+            else:
+                _, speculating, start = self._start_of(k)
+                planned[k] = start if speculating else 0
         return FollowedPolicy({k: b for k, b in planned.items() if b})
 
     def plan(self, requests: int) -> int:
@@ -254,10 +274,9 @@ class AdaptivePolicy:
             if loses is False:
                 size_class.plain_left = 2  # one cold, one timed
                 size_class.backoff = 0  # speculation held its own for a whole stretch
-                # Budgets other than the best are timed once more, before the plain steps
+                # The best budget's neighbours are timed once more, before the plain steps
                 # (whose first speculative step after runs cold).
-                best = size_class.best()
-                size_class.retime = [b for b in self.budgets if b != best]
+                size_class.retime = size_class.neighbours(size_class.best())
             else:  # a class that started speculating: time plain decoding for a verdict
                 size_class.plain_left = max(0, 1 + _MIN_TIMED - len(size_class.plain_s))
             size_class.since_plain = 0

@@ -157,18 +157,36 @@ def drive_ladder(policy, steps: int, requests: int, costs: dict[int, tuple[float
     return chosen
 
 
-@pytest.mark.parametrize("costs, best", [
-    ({63: (2.0, 8.0), 15: (1.5, 5.0), 3: (1.2, 2.5)}, 63),  # a lone request: the big tree
-    ({63: (6.0, 8.0), 15: (2.0, 5.0), 3: (1.3, 2.5)}, 15),  # a large batch: a small tree
-    ({63: (6.0, 8.0), 15: (4.0, 5.0), 3: (1.1, 2.5)}, 3),
+@pytest.mark.parametrize("costs, best, never", [
+    ({63: (2.0, 8.0), 15: (1.5, 5.0), 3: (1.2, 2.5)}, 63, {3}),  # a lone request: a big tree
+    ({63: (6.0, 8.0), 15: (2.0, 5.0), 3: (1.3, 2.5)}, 15, set()),  # a large batch: a small one
+    ({63: (6.0, 8.0), 15: (3.0, 5.0), 3: (1.1, 2.5)}, 3, set()),
 ])
-def test_each_size_class_runs_the_budget_with_the_most_tokens_per_second(costs, best):
+def test_each_size_class_runs_the_budget_with_the_most_tokens_per_second(costs, best, never):
+    """Plain decoding is timed, then the largest budget (its first step runs cold), then the
+    best one's untimed neighbours: a budget below one that lost to the budget above is never
+    run."""
     chosen = drive_ladder(AdaptivePolicy(LADDER), 1000, 8, costs)
-    # Plain decoding is timed, then each budget, largest first (its first step runs cold).
-    assert chosen[:18] == [0] * 5 + [63] * 5 + [15] * 4 + [3] * 4
+    explored = [b for b in LADDER if b not in never]
+    assert chosen[:5 + 5 + 4 * (len(explored) - 1)] == [0] * 5 + [63] * 5 + [
+        b for b in explored[1:] for _ in range(4)]
     assert chosen[-500:].count(best) > 0.9 * 500
-    # The others are re-timed once per stretch, with plain decoding.
-    assert set(chosen[-500:]) == {0, *LADDER}
+    # Its neighbours are re-timed once per stretch, with plain decoding.
+    neighbours = {LADDER[i] for i in (LADDER.index(best) - 1, LADDER.index(best) + 1)
+                  if 0 <= i < len(LADDER)}
+    assert set(chosen[-500:]) == {0, best} | neighbours
+    assert never.isdisjoint(chosen)
+
+
+def test_a_new_size_class_climbs_from_its_neighbours_best():
+    policy = AdaptivePolicy(LADDER)
+    small_batch = {63: (6.0, 8.0), 15: (2.0, 5.0), 3: (1.3, 2.5)}
+    drive_ladder(policy, 300, 8, small_batch)
+    assert policy.at(8).best() == 15
+    larger = drive_ladder(policy, 100, 16, small_batch)
+    # It starts at 15 (not at 63, whose steps cost most), then times 15's neighbours.
+    assert larger[:18] == [0] * 5 + [15] * 5 + [3] * 4 + [63] * 4
+    assert larger[18:].count(15) > 0.95 * len(larger[18:])
 
 
 def test_smaller_budgets_learn_their_acceptance_from_larger_steps():
