@@ -59,7 +59,9 @@ class Routes:
                 ("/v1/completions", self.completions, "POST"),
                 ("/v1/chat/completions", self.chat, "POST"),
                 ("/v1/responses", self.create_response, "POST")):
-            app.add_api_route(path, endpoint, methods=[method])
+            # GET routes answer HEAD too (load balancers and benchmark clients probe with it).
+            app.add_api_route(path, endpoint, methods=[method, "HEAD"] if method == "GET"
+                              else [method])
 
     async def health(self):
         state = self.state

@@ -110,6 +110,16 @@ def test_request_id_is_the_clients_or_a_fresh_one(keyed):
     assert len(ids) == 2 and all(len(i) == 32 for i in ids), ids
 
 
+def test_get_routes_answer_head_without_a_body(keyed):
+    """Load balancers and benchmark clients (aiperf) probe /health and /metrics with HEAD."""
+    base = keyed[0]
+    for path in ("/health", "/metrics", "/v1/models"):
+        headers = _auth() if path.startswith("/v1/") else {}
+        get, head = (httpx.request(m, f"{base}{path}", headers=headers) for m in ("GET", "HEAD"))
+        assert head.status_code == get.status_code == 200, (path, head.status_code)
+        assert head.content == b"" and get.content
+
+
 def _wait_until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
     """Poll `condition` until it holds; fail after `timeout` seconds (a hang, not a bound)."""
     deadline = time.monotonic() + timeout
