@@ -378,7 +378,7 @@ class Bench:
         llm = self.llm("ddtree", budget=best)
         oracle = self.oracle(llm, p, q)
         r["curve_ddtree"] = self.curve(llm, oracle, q)
-        llm.engine.policy = AdaptivePolicy(llm.engine.speculative.cfg.budgets)
+        llm.engine.policy = AdaptivePolicy(best)  # its budget alone: the sweep picks per batch
         r["ddtree_adaptive"] = self.c1_rate(llm, prompts)
         r["adaptive_tau_over_fixed_tau"] = {
             "dflash": tau_ratio(r["dflash_adaptive"], r["dflash"]),
