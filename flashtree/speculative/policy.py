@@ -135,6 +135,7 @@ class _SizeClass:
     plain_left: int = 1 + _MIN_TIMED  # plain steps to run before the next speculative one
     backoff: int = 0
     since_plain: int = 0  # speculative steps since the last plain one
+    stretches: int = 0  # speculative stretches that held their own (each ends in a re-time)
     retime: list[int] = field(default_factory=list)  # budgets to time once more, next steps
     # (best, the budget to run, speculation_loses) until the next observation: decisions()
     # asks every step.
@@ -179,6 +180,15 @@ class _SizeClass:
         if self.retime:
             return self.retime[0]
         return 0 if self.plain_left > 0 else self._judged()[1]
+
+    def to_retime(self) -> list[int]:
+        """The best budget's neighbours due a timed step at the end of this stretch: one that
+        costs k times the best budget's step is due every k-th stretch, so each re-time costs
+        about one step of the best budget."""
+        best = self.best()
+        ratio = {b: statistics.median(self.budgets[b].seconds)
+                 / statistics.median(self.budgets[best].seconds) for b in self.neighbours(best)}
+        return [b for b, k in ratio.items() if self.stretches % max(1, round(k)) == 0]
 
     def probe_steps(self) -> float:
         """What a probe's speculative steps cost, in plain steps."""
@@ -276,7 +286,8 @@ class AdaptivePolicy:
                 size_class.backoff = 0  # speculation held its own for a whole stretch
                 # The best budget's neighbours are timed once more, before the plain steps
                 # (whose first speculative step after runs cold).
-                size_class.retime = size_class.neighbours(size_class.best())
+                size_class.stretches += 1
+                size_class.retime = size_class.to_retime()
             else:  # a class that started speculating: time plain decoding for a verdict
                 size_class.plain_left = max(0, 1 + _MIN_TIMED - len(size_class.plain_s))
             size_class.since_plain = 0

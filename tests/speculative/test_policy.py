@@ -218,3 +218,13 @@ def test_followers_plan_what_the_policy_plans():
         costs = {63: (2.0 * scale, 8.0), 15: (1.5 * scale ** 0.5, 5.0), 3: (1.2, 2.5)}
         followed = policy.decisions().plan(requests)
         assert followed == drive_ladder(policy, 1, requests, costs)[0]
+
+
+def test_a_costly_neighbour_is_retimed_as_often_as_it_costs():
+    """At a large batch the big tree's step costs 3 of the best budget's: re-timing it every
+    stretch would cost 3 steps in 64, so it is re-timed every third stretch; the cheap
+    neighbour every stretch."""
+    costs = {63: (6.0, 8.0), 15: (2.0, 5.0), 3: (1.3, 2.5)}
+    chosen = drive_ladder(AdaptivePolicy(LADDER), 3000, 8, costs)
+    late = chosen[500:]
+    assert late.count(3) > 2.5 * late.count(63) > 0
