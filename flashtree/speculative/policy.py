@@ -118,8 +118,8 @@ class _Budget:
     def timed(self) -> bool:
         return len(self.seconds) >= _MIN_TIMED
 
-    def tokens_per_second(self) -> float:
-        return self.accepted / statistics.median(self.seconds)
+    def tokens_per_second(self, accepted: float) -> float:
+        return accepted / statistics.median(self.seconds)
 
 
 @dataclass
@@ -160,18 +160,30 @@ class _SizeClass:
         i = ladder.index(budget)
         return [ladder[j] for j in (i + 1, i - 1) if 0 <= j < len(ladder)]
 
+    def accepted(self) -> dict[int, float]:
+        """Each budget's tokens committed per request per step: its average, or a smaller
+        budget's where that is higher (a larger tree holds the smaller one's, so it accepts at
+        least as much; a budget run a few times only can read low by chance)."""
+        out, floor = {}, 0.0
+        for b in reversed(self.budgets):  # smallest first
+            m = self.budgets[b]
+            floor = max(floor, m.accepted) if m.steps else floor
+            out[b] = floor
+        return out
+
     def _judged(self) -> tuple[int, int, bool | None]:
         if self._verdict is None:
-            timed = [b for b, m in self.budgets.items() if m.timed()]
-            best = max(timed, key=lambda b: self.budgets[b].tokens_per_second(), default=None)
+            accepted = self.accepted()
+            rate = {b: m.tokens_per_second(accepted[b]) for b, m in self.budgets.items()
+                    if m.timed()}
+            best = max(rate, key=rate.__getitem__, default=None)
             if best is None:
                 self._verdict = self.start, self.start, None
             elif untimed := [b for b in self.neighbours(best) if not self.budgets[b].timed()]:
                 self._verdict = best, untimed[0], None
             else:
                 loses = None if len(self.plain_s) < _MIN_TIMED else (
-                    self.budgets[best].tokens_per_second()
-                    < 1 / statistics.median(self.plain_s))
+                    rate[best] < 1 / statistics.median(self.plain_s))
                 self._verdict = best, best, loses
         return self._verdict
 

@@ -228,3 +228,16 @@ def test_a_costly_neighbour_is_retimed_as_often_as_it_costs():
     chosen = drive_ladder(AdaptivePolicy(LADDER), 3000, 8, costs)
     late = chosen[500:]
     assert late.count(3) > 2.5 * late.count(63) > 0
+
+
+def test_a_larger_budget_is_never_judged_to_accept_less_than_a_smaller_one():
+    """The big tree is timed first, while acceptance happens to be low; the smaller budgets
+    learn theirs later, when it is high. A larger tree holds the smaller one's nodes, so its
+    estimate is raised to theirs instead of staying at its unlucky reading."""
+    policy = AdaptivePolicy(LADDER)
+    drive_ladder(policy, 10, 4, {63: (2.0, 3.0), 15: (1.5, 2.5), 3: (1.2, 1.5)})
+    drive_ladder(policy, 40, 4, {63: (2.0, 8.0), 15: (1.5, 6.0), 3: (1.2, 2.5)})
+    measured = policy.at(4)
+    assert measured.budgets[63].accepted < measured.budgets[15].accepted  # its own reading
+    accepted = measured.accepted()
+    assert accepted[63] == accepted[15] == measured.budgets[15].accepted > accepted[3]
