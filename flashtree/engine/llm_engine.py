@@ -256,12 +256,13 @@ class LLMEngine:
         committed_at: dict[int, int] | None = dict.fromkeys(smaller, 0)
         for seq, verified in zip(seqs, self.speculative.run(seqs, budget)):
             self.spec_stats.record_budget(verified.num_candidates)
+            committed = None  # stays None where the request failed
             with self.outputs.isolated(seq):
                 self.outputs.append(seq, verified.tokens, record=True, logits=verified.logits)
                 # Counted after stop conditions, so the counters match the returned tokens.
                 committed = seq.spec_accept_lengths[-1]
                 self.spec_stats.record(verified.num_candidates, committed - 1)
-            if committed_at is None or verified.accepted_ranks is None:
+            if committed is None or committed_at is None or verified.accepted_ranks is None:
                 committed_at = None
                 continue
             for b in smaller:  # the subtree of b nodes holds the accepted drafts of rank <= b

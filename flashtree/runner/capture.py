@@ -43,8 +43,8 @@ class GraphPlan:
 def plan_graphs(args: EngineConfig, scratch_slot: int) -> GraphPlan | None:
     """The graphs an engine of `args` captures (None: it runs eagerly): decode and short prompt
     chunks and, with speculation, the verify shapes (a chain, or trees of each budget + 1
-    tokens) and the draft block, for batch buckets up to max_num_seqs. `scratch_slot`: a KV slot no
-    request owns, for padded tokens."""
+    tokens) and the draft block, for batch buckets up to max_num_seqs. `scratch_slot`: a KV
+    slot no request owns, for padded tokens."""
     if not uses_cuda_graphs(args):
         return None
     spec, sched = args.spec, args.scheduler
