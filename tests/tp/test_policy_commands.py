@@ -1,6 +1,7 @@
 """Under tensor parallelism rank 0's speculation policy decides every rank's steps: its
-decision rides in the step's command, so a policy that switches between plain and speculative
-steps at random still yields plain decoding's tokens on TP=2 (a rank taking its own decision
+decision rides in the step's command, so a policy that switches at random between plain steps
+and speculative ones at each budget of a DDTree's ladder still yields plain decoding's tokens
+on TP=2 (a rank taking its own decision
 would run other collectives than rank 0 and stall or diverge), and a steady step costs one
 broadcast of a header, not a second collective for the policy."""
 
@@ -17,20 +18,21 @@ from tests.tp.test_tp_cpu import PROMPTS, tiny  # noqa: F401  (the module's fixt
 
 
 class _Switching:
-    """Speculate or not at seeded random, decided before each step (`decisions`)."""
+    """A budget of `budgets` or a plain step at seeded random, decided before each step
+    (`decisions`)."""
 
-    def __init__(self, budget: int, seed: int) -> None:
-        self.budget, self.rng, self.kinds = budget, random.Random(seed), []
-        self.speculate = True
+    def __init__(self, budgets: tuple[int, ...], seed: int) -> None:
+        self.choices, self.rng, self.kinds = (0, *budgets), random.Random(seed), []
+        self.budget = budgets[0]
 
     def decisions(self) -> FollowedPolicy:
-        self.speculate = self.rng.random() < 0.5
-        return FollowedPolicy(dict.fromkeys((1, 2, 4, 8), self.budget) if self.speculate else {})
+        self.budget = self.rng.choice(self.choices)
+        return FollowedPolicy(dict.fromkeys((1, 2, 4, 8), self.budget) if self.budget else {})
 
     def plan(self, requests: int) -> int:
         assert size_class_of(requests) <= 8
-        self.kinds.append(self.speculate)
-        return self.budget if self.speculate else 0
+        self.kinds.append(self.budget)
+        return self.budget
 
     def observe(self, result) -> None:
         pass
@@ -40,6 +42,8 @@ def _llm(tiny, tp: int, spec: str, policy: str = "fixed") -> LLM:  # noqa: F811
     target, drafter = tiny
     extra = {} if spec == "none" else {"draft": str(drafter), "spec": spec,
                                        "spec_policy": policy}
+    if spec == "ddtree":
+        extra["tree_budget"] = 15  # the ladder 15, 3
     return LLM(model=str(target), device="cpu", skip_tokenizer_init=True,
                tensor_parallel_size=tp, **extra)
 
@@ -49,12 +53,14 @@ def test_workers_follow_rank_zero_policy(tiny):  # noqa: F811
     want = [o.outputs[0].token_ids for o in _llm(tiny, 1, "none").generate(PROMPTS, greedy)]
     two = _llm(tiny, 2, "ddtree")
     try:
-        two.engine.policy = policy = _Switching(two.engine.policy.budget, seed=3)
+        ladder = two.engine.speculative.cfg.budgets
+        assert ladder == (15, 3)
+        two.engine.policy = policy = _Switching(ladder, seed=3)
         got = [o.outputs[0].token_ids for o in two.generate(PROMPTS, greedy)]
     finally:
         two.shutdown()
     assert got == want
-    assert True in policy.kinds and False in policy.kinds  # both kinds of step ran
+    assert set(policy.kinds) == {0, *ladder}  # plain steps and every budget ran
 
 
 def test_a_steady_step_broadcasts_one_header(tiny, monkeypatch):  # noqa: F811
