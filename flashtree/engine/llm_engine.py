@@ -253,7 +253,7 @@ class LLMEngine:
         assert self.speculative is not None and self.spec_stats is not None
         seqs = [c.seq for c in chunks]
         smaller = [b for b in self.speculative.cfg.budgets if b < budget]
-        committed_at: dict[int, int] | None = dict.fromkeys(smaller, 0)
+        committed_at: dict[int, int] | None = dict.fromkeys([*smaller, budget], 0)
         for seq, verified in zip(seqs, self.speculative.run(seqs, budget)):
             self.spec_stats.record_budget(verified.num_candidates)
             committed = None  # stays None where the request failed
@@ -268,6 +268,5 @@ class LLMEngine:
             for b in smaller:  # the subtree of b nodes holds the accepted drafts of rank <= b
                 kept = sum(rank <= b for rank in verified.accepted_ranks)
                 committed_at[b] += min(1 + kept, committed)
-        if committed_at is not None:
-            committed_at[budget] = sum(s.spec_accept_lengths[-1] for s in seqs)
+            committed_at[budget] += committed
         return seqs, committed_at
