@@ -121,4 +121,11 @@ class AttentionBackend(ABC):
         """MLA over a key-only latent cache. q: [num_tokens, heads, d]; latent: [num_tokens, 1, d]
         (one head shared by all query heads); values are the first `v_dim` columns of the keys
         -> [num_tokens, heads, v_dim]. Writes `latent` into the cache first."""
+        self.cache.write(layer, self.slot_mapping, latent, None)
+        return self.attend_latent(layer, q, v_dim, scale)
+
+    def attend_latent(self, layer: int, q: torch.Tensor, v_dim: int, scale: float
+                      ) -> torch.Tensor:
+        """`forward_latent` once the new tokens' latents are in the cache (written there by the
+        caller, at `slot_mapping`)."""
         raise NotImplementedError(f"{type(self).__name__} has no MLA latent attention")

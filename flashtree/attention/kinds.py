@@ -54,6 +54,6 @@ class LayerKindsBackend(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         return self.layers[layer].attend(layer, q)
 
-    def forward_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int,
-                       scale: float) -> torch.Tensor:
-        return self.layers[layer].forward_latent(layer, q, latent, v_dim, scale)
+    def attend_latent(self, layer: int, q: torch.Tensor, v_dim: int, scale: float
+                      ) -> torch.Tensor:
+        return self.layers[layer].attend_latent(layer, q, v_dim, scale)

@@ -77,11 +77,8 @@ class SdpaBackend(AttentionBackend):
         assert self.cache.v is not None, "forward needs a cache with values"
         return self._attend(q, keys, self._gather(self.cache.v[layer]), None)
 
-    def forward_latent(
-        self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int, scale: float
-    ) -> torch.Tensor:
-        plan = self._plan()
-        self.cache.write(layer, plan.slot_mapping, latent, None)
+    def attend_latent(self, layer: int, q: torch.Tensor, v_dim: int, scale: float
+                      ) -> torch.Tensor:
         keys = self._gather(self.cache.k[layer])  # [n, max_kv, 1, d]
         return self._attend(q, keys, keys[..., :v_dim], scale)
 

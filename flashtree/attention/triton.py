@@ -213,13 +213,11 @@ class TritonBackend(AttentionBackend):
         assert self.cache.v is not None, "a key-only (MLA) cache attends through forward_latent"
         return self._run(q, self.cache.k[layer], self.cache.v[layer])
 
-    def forward_latent(
-        self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int, scale: float
-    ) -> torch.Tensor:
+    def attend_latent(self, layer: int, q: torch.Tensor, v_dim: int, scale: float
+                      ) -> torch.Tensor:
         """MLA's absorbed attention (`latent_attention_kernel`): the values are the latent's
         first `v_dim` columns, the rest (the rope part) counts in the scores only; one cached
         head serves all query heads, so a tile reads each latent page once for 64 query rows."""
-        self.cache.write(layer, self.slot_mapping, latent, None)
         kv = self.cache.k[layer]  # [slots, 1, latent_dim]
         if self.latent_decode is not None:
             out = self.latent_decode.run(q, kv, v_dim, scale)
@@ -232,7 +230,7 @@ class TritonBackend(AttentionBackend):
         assert v_dim % 2 == 0, f"latent width {v_dim}: the kernel splits it into two halves"
         assert q.stride(2) == 1 and kv.stride(2) == 1, "the latent must be contiguous"
         assert kv.shape[0] * kv.stride(0) < 2**31, "the kernel offsets a layer's cache in int32"
-        tile = latent_tile(v_dim)
+        tile = latent_tile(v_dim, heads)
         block_m, half = tile["BLOCK_M"], tile["BLOCK_HALF"]
         num_m_tiles = triton.cdiv(meta.max_query_len * heads, block_m)
         # A few requests' tiles are few programs: up to 64 splits, each at least

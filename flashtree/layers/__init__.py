@@ -21,6 +21,17 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def dense_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x.float(), weight)` for a float32 weight (a router kept in float32); one row on
+    CUDA goes through `layers/gemv.py`'s kernel, which widens x as it reads it."""
+    if fused_kernels_apply(x):
+        from flashtree.layers.gemv import gemv, gemv_applies
+
+        if gemv_applies(x, weight):
+            return gemv(x, weight)
+    return torch.nn.functional.linear(x.float(), weight.float())
+
+
 @functools.cache
 def programs_to_fill(device: torch.device) -> int:
     """Programs that keep every SM of `device` busy (two per SM), for kernels that size their

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from flashtree.layers import programs_to_fill
 from flashtree.layers.moe_align import BLOCK_M, align_by_expert
-from flashtree.layers.moe_gemv import pair_down_kernel, pair_gate_up_kernel, silu_mul
+from flashtree.layers.moe_gemv import pair_gate_up_kernel, silu_mul, token_down_kernel
 from flashtree.layers.stacked_experts import StackedExperts
 
 PER_PAIR_MAX = 64  # at most this many pairs: a block per pair, no grouping launch
@@ -201,25 +201,26 @@ def split_k(pairs: int, local_experts: int, routed_experts: int, col_blocks: int
 
 def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
                   ids: torch.Tensor, first_expert: int, tiles: Tiles | None = None,
-                  routed_experts: int | None = None,
-                  pair_tiles: PairTiles | None = None) -> torch.Tensor:
+                  routed_experts: int | None = None, pair_tiles: PairTiles | None = None,
+                  shared: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, hidden]; `experts` this rank's E experts (first_expert .. first_expert + E - 1)
     of `routed_experts` (default E); the router's weights (float32) and global expert ids
     [n, top_k]. -> sum over the top_k slots of weight * expert(x), [n, hidden] (zero for
-    slots on other ranks)."""
+    slots on other ranks), plus `shared` [n, hidden] (the shared experts' output) where given,
+    rounded after the sum."""
     x = x.contiguous()  # the kernels read rows with unit column stride
     n, hidden = x.shape
     num_experts, inter = experts.gate_up.shape[0], experts.inter
     top_k = ids.shape[1]
     if experts.group % 8:
         raise ValueError(f"INT4 group size {experts.group} is not a multiple of 8")
-    local = ids.flatten() - first_expert
-    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
     num_pairs = n * top_k
     per_pair = num_pairs <= PER_PAIR_MAX
     if per_pair and experts.group:
-        return _int4_pair_gemvs(x, experts, weights, local, top_k, routed_experts or num_experts,
-                                pair_tiles or PairTiles())
+        return _int4_pair_gemvs(x, experts, weights, ids, first_expert,
+                                routed_experts or num_experts, pair_tiles or PairTiles(), shared)
+    local = ids.flatten() - first_expert
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
     if per_pair:
         pairs = blocks = local  # unread: each block is its pair
         num_blocks = num_pairs
@@ -230,7 +231,8 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     block_n, block_k = tiles.block_n, tiles.block_k
     splits, k_per_split = _splits(num_pairs, num_experts, routed_experts, inter, hidden,
                                   block_n, block_k, x.device)
-    act, part, out = _buffers(x, num_pairs, inter, splits)
+    act, part = _buffers(x, num_pairs, inter, splits)
+    out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 only rounds float32
     bo, bi = experts.fp8_block or (0, 0)
     common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=experts.group,
@@ -248,33 +250,38 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
         act, w2, w2 if s2 is None else s2, weights.flatten().contiguous(), out, pairs, blocks,
         local, num_pairs, num_experts, hidden, inter, act.stride(0), w2.stride(0),
         w2.stride(1), *_strides(s2), out.stride(0), **common)
-    return out.view(n, top_k, hidden).sum(dim=1)
+    routed = out.view(n, top_k, hidden).sum(dim=1)
+    return routed if shared is None else routed + shared
 
 
 def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
-                     local: torch.Tensor, top_k: int, routed_experts: int,
-                     tiles: PairTiles) -> torch.Tensor:
-    """`fused_experts` for INT4 experts at few pairs: a GEMV per pair (`layers/moe_gemv.py`).
-    local: [pairs] each pair's expert on this rank (E: another rank's)."""
+                     ids: torch.Tensor, first_expert: int, routed_experts: int,
+                     tiles: PairTiles, shared: torch.Tensor | None) -> torch.Tensor:
+    """`fused_experts` for INT4 experts at few pairs: a GEMV per pair for gate/up, one per
+    token for down (`layers/moe_gemv.py`), which picks the pairs on this rank from the global
+    ids itself."""
     n, hidden = x.shape
     num_experts, inter = experts.gate_up.shape[0], experts.inter
-    num_pairs = local.numel()
+    num_pairs, top_k = ids.numel(), ids.shape[1]
+    ids, weights = ids.contiguous(), weights.contiguous()
     splits, k_per_split = _splits(num_pairs, num_experts, routed_experts, inter, hidden,
                                   tiles.block_n, tiles.block_k, x.device)
-    act, part, out = _buffers(x, num_pairs, inter, splits)
+    act, part = _buffers(x, num_pairs, inter, splits)
     w13, s13, w2, s2 = experts.gate_up, experts.gate_up_scale, experts.down, experts.down_scale
     pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.block_n), splits)](
-        x, w13, s13, part, local, num_experts, top_k, hidden, inter, k_per_split, x.stride(0),
-        w13.stride(0), w13.stride(1), *_strides(s13), part.stride(0), part.stride(1),
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=experts.group, SPLIT=splits > 1,
-        num_warps=tiles.num_warps)
+        x, w13, s13, part, ids, first_expert, num_experts, top_k, hidden, inter, k_per_split,
+        x.stride(0), w13.stride(0), w13.stride(1), *_strides(s13), part.stride(0),
+        part.stride(1), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=experts.group,
+        SPLIT=splits > 1, num_warps=tiles.num_warps)
     _split_activation(part, act, splits)
-    pair_down_kernel[(num_pairs, triton.cdiv(hidden, tiles.down_block_n))](
-        act, w2, s2, weights.flatten().contiguous(), out, local, num_experts, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), *_strides(s2), out.stride(0),
+    out = torch.empty_like(x)
+    token_down_kernel[(n, triton.cdiv(hidden, tiles.down_block_n))](
+        act, w2, s2, weights, x if shared is None else shared, out, ids, first_expert,
+        num_experts, top_k, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        *_strides(s2), 0 if shared is None else shared.stride(0), out.stride(0),
         BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, GROUP=experts.group,
-        num_warps=tiles.num_warps)
-    return out.view(n, top_k, hidden).sum(dim=1)
+        HAS_SHARED=shared is not None, num_warps=tiles.num_warps)
+    return out
 
 
 def _splits(pairs: int, local_experts: int, routed_experts: int | None, inter: int,
@@ -288,13 +295,13 @@ def _splits(pairs: int, local_experts: int, routed_experts: int | None, inter: i
 
 
 def _buffers(x: torch.Tensor, pairs: int, inter: int, splits: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(activations [pairs, inter], gate/up's output: float32 split partials [splits, pairs,
-    2 * inter] or the activations themselves, the per-pair outputs [pairs, hidden] zeroed)."""
+    2 * inter] or the activations themselves)."""
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     part = (torch.empty(splits, pairs, 2 * inter, dtype=torch.float32, device=x.device)
             if splits > 1 else act[None])
-    return act, part, torch.zeros(pairs, x.shape[1], dtype=x.dtype, device=x.device)
+    return act, part
 
 
 def _split_activation(part: torch.Tensor, act: torch.Tensor, splits: int) -> None:

@@ -3,7 +3,9 @@
 On an H200 this streams the smaller Qwen3-8B projections (q/k/v, o, down) faster than cuBLAS
 does at batch 1 (docs/benchmarks.md, `python -m benchmarks.kernels --sections gemv`).
 `layers.dense` chooses it; every other case (several rows, float32, CPU, autograd) stays
-with `F.linear`. Results equal `F.linear`'s up to float32 summation order."""
+with `F.linear`. A float32 weight against a half-precision row (DeepSeek's router) gives
+float32, as `F.linear(x.float(), weight)` does without the cast's launch. Results equal
+`F.linear`'s up to float32 summation order."""
 
 from __future__ import annotations
 
@@ -35,19 +37,23 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n, k, stride_w,
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gemv` takes x: one row of a half-precision activation against a 2-D weight of
-    its dtype with contiguous rows (the caller checks it is on CUDA, outside autograd)."""
-    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+    its dtype or float32 with contiguous rows (the caller checks it is on CUDA, outside
+    autograd)."""
+    return (x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype in (x.dtype, torch.float32)
             and x.numel() == x.shape[-1] > 0 and weight.dim() == 2 and weight.stride(1) == 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., k] holding one row, weight [n, k] -> x W^T [..., n] (see `gemv_applies`)."""
+    """x [..., k] holding one row, weight [n, k] -> x W^T [..., n] in the weight's dtype (see
+    `gemv_applies`)."""
     assert gemv_applies(x, weight), (
-        f"gemv takes one bf16/fp16 row and a weight of its dtype with contiguous rows: x "
+        f"gemv takes one bf16/fp16 row and a weight of its dtype or float32 with contiguous "
+        f"rows: x "
         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
     x_row = x.reshape(k).contiguous()
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    y = torch.empty(*x.shape[:-1], n, dtype=weight.dtype, device=x.device)
     block_n, block_k = launch_shape(n, x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x_row, weight, y, n, k, weight.stride(0),
                                              BLOCK_N=block_n, BLOCK_K=block_k,

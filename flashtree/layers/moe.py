@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree.distributed import get_ep_rank, get_ep_size, get_moe_tp, tp_all_reduce
-from flashtree.layers import fused_kernels_apply
+from flashtree.layers import dense_fp32, fused_kernels_apply
 from flashtree.layers.activation import silu_mul
 from flashtree.layers.config import MoEConfig
 from flashtree.layers.int4 import dequantize_int4
@@ -60,7 +60,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.router_fp32:
-            logits = F.linear(x.float(), self.weight.float())  # [n, E]
+            logits = dense_fp32(x, self.weight)  # [n, E]
         else:
             logits = F.linear(x, self.weight).float()
         if fused_kernels_apply(x):  # one launch (`layers/moe_router.py`) for `select`'s ops
@@ -263,11 +263,10 @@ class SparseMoE(nn.Module):
         if self.stacked is not None and fused_kernels_apply(x):
             from flashtree.layers.fused_moe import fused_experts
 
-            out = fused_experts(x, self.stacked, weights, ids, self.first_expert,
-                                routed_experts=self.gate.cfg.num_experts)
-            if self.shared_experts is not None:
-                out = out + self.shared_experts(x)
-            return tp_all_reduce(out)
+            shared = None if self.shared_experts is None else self.shared_experts(x)
+            return tp_all_reduce(fused_experts(x, self.stacked, weights, ids, self.first_expert,
+                                               routed_experts=self.gate.cfg.num_experts,
+                                               shared=shared))
         out = torch.zeros_like(x)
         local = ids - self.first_expert
         counts = torch.bincount(local[(local >= 0) & (local < self.num_local)],

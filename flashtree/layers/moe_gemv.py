@@ -8,8 +8,9 @@ Nibbles become floats by the magic-number trick (the nibble OR'd into the mantis
 minus 2^23 + 8: no int-to-float conversion), the eight of a word summed before their group's
 scale multiplies once. The weights are never rounded to the activation dtype here, where the
 eager path rounds them: results differ from it by that rounding (relative 2^-9 per bf16
-weight) and summation order. (Dense experts per pair stay on the tensor-core tiles, faster at
-2-8 tokens on an H100.)"""
+weight) and summation order. The down projection runs per token: a program sums its token's
+pairs and adds the shared experts' output, so no per-pair buffer, zeroing or reduction follows.
+(Dense experts per pair stay on the tensor-core tiles, faster at 2-8 tokens on an H100.)"""
 
 from __future__ import annotations
 
@@ -49,16 +50,16 @@ def _int4_gemv_tile(acc, a_row, w, s, rows, rows_ok, k0, k_total, stride_wn, str
 
 
 @triton.jit
-def pair_gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, local_ptr, num_experts, top_k, hidden,
-                        inter, k_per_split, stride_xt, stride_we, stride_wn, stride_se,
-                        stride_sn, stride_os, stride_ot, BLOCK_N: tl.constexpr,
+def pair_gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, first_expert, num_experts,
+                        top_k, hidden, inter, k_per_split, stride_xt, stride_we, stride_wn,
+                        stride_se, stride_sn, stride_os, stride_ot, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr):
     # out[pair, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for BLOCK_N columns
     # of one pair; with SPLIT, this split's share of the input dim in float32:
     # out[split, pair, n] = x . gate[e, n] and out[split, pair, inter + n] = x . up[e, n].
     pair = tl.program_id(0)
-    expert = tl.load(local_ptr + pair).to(tl.int32)
-    if expert >= num_experts:  # another rank's pair
+    expert = (tl.load(ids_ptr + pair) - first_expert).to(tl.int32)
+    if (expert < 0) | (expert >= num_experts):  # another rank's pair
         return
     a_row = x_ptr + (pair // top_k) * stride_xt
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,23 +84,32 @@ def pair_gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, local_ptr, num_experts, to
 
 
 @triton.jit
-def pair_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, local_ptr, num_experts,
-                     hidden, inter, stride_at, stride_we, stride_wn, stride_se, stride_sn,
-                     stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP: tl.constexpr):
-    # out[pair, n] = routing weight[pair] * (act[pair] . down[e, n]) for BLOCK_N columns.
-    pair = tl.program_id(0)
-    expert = tl.load(local_ptr + pair).to(tl.int32)
-    if expert >= num_experts:
-        return
+def token_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, shared_ptr, out_ptr, ids_ptr,
+                      first_expert, num_experts, top_k, hidden, inter, stride_at, stride_we,
+                      stride_wn, stride_se, stride_sn, stride_st, stride_ot,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                      HAS_SHARED: tl.constexpr):
+    # out[t, n] = sum over t's pairs on this rank of routing weight * (act[pair] . down[e, n]),
+    # each pair's term rounded as the eager path rounds it, plus shared[t, n] where given.
+    t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden
-    w = w_ptr + expert.to(tl.int64) * stride_we
-    sc = s_ptr + expert.to(tl.int64) * stride_se
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        acc = _int4_gemv_tile(acc, act_ptr + pair * stride_at, w, sc, cols, cols_ok, k0, inter,
-                              stride_wn, stride_sn, BLOCK_K, GROUP)
     dtype = out_ptr.dtype.element_ty
-    y = tl.sum(acc, 1).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)
-    tl.store(out_ptr + pair * stride_ot + cols, y.to(dtype), mask=cols_ok)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(top_k):
+        pair = t * top_k + slot
+        expert = (tl.load(ids_ptr + pair) - first_expert).to(tl.int32)
+        if (expert >= 0) & (expert < num_experts):
+            w = w_ptr + expert.to(tl.int64) * stride_we
+            sc = s_ptr + expert.to(tl.int64) * stride_se
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                acc = _int4_gemv_tile(acc, act_ptr + pair * stride_at, w, sc, cols, cols_ok,
+                                      k0, inter, stride_wn, stride_sn, BLOCK_K, GROUP)
+            term = tl.sum(acc, 1).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)
+            total += term.to(dtype).to(tl.float32)
+    y = total.to(dtype)
+    if HAS_SHARED:
+        shared = tl.load(shared_ptr + t * stride_st + cols, mask=cols_ok, other=0.0)
+        y = (y.to(tl.float32) + shared.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + t * stride_ot + cols, y, mask=cols_ok)

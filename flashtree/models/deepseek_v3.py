@@ -16,6 +16,7 @@ from torch import nn
 
 from flashtree.attention.backend import AttentionBackend
 from flashtree.distributed import get_tp_size
+from flashtree.layers import fused_kernels_apply
 from flashtree.layers.linear import ColumnParallelLinear, RowParallelLinear
 from flashtree.layers.norm import RMSNorm
 from flashtree.layers.rotary import apply_rotary, deinterleave, softmax_mscale
@@ -73,21 +74,31 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_pe = q.view(n, heads, m.qk_head_dim).split(
             [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        c, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        c = self.kv_a_layernorm(c).view(n, 1, m.kv_lora_rank)
-        k_pe = k_pe.reshape(n, 1, m.qk_rope_head_dim)
-        if m.rope_interleave:
-            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-        q_pe, k_pe = apply_rotary(q_pe, *rope), apply_rotary(k_pe, *rope)
         w = self.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
         q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)  # [n, heads, kv_lora_rank]
-        out = backend.forward_latent(
-            self.layer,
-            torch.cat([q_latent, q_pe], dim=-1),  # [n, heads, latent_dim]
-            torch.cat([c, k_pe], dim=-1),  # [n, 1, latent_dim]
-            m.kv_lora_rank, self.scale,
-        )  # [n, heads, kv_lora_rank]
+        norm = self.kv_a_layernorm
+        if fused_kernels_apply(x) and isinstance(backend, AttentionBackend):
+            # One kernel: the norm, both RoPEs, the cache write and the query's concatenation.
+            from flashtree.layers.fused_mla import mla_prologue
+
+            q_full = mla_prologue(q_latent, q_pe, kv_a, *rope, norm.weight, norm.eps,
+                                  backend.cache.k[self.layer], backend.slot_mapping,
+                                  m.rope_interleave)
+            out = backend.attend_latent(self.layer, q_full, m.kv_lora_rank, self.scale)
+        else:
+            c, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+            c = norm(c).view(n, 1, m.kv_lora_rank)
+            k_pe = k_pe.reshape(n, 1, m.qk_rope_head_dim)
+            if m.rope_interleave:
+                q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+            q_pe, k_pe = apply_rotary(q_pe, *rope), apply_rotary(k_pe, *rope)
+            out = backend.forward_latent(
+                self.layer,
+                torch.cat([q_latent, q_pe], dim=-1),  # [n, heads, latent_dim]
+                torch.cat([c, k_pe], dim=-1),  # [n, 1, latent_dim]
+                m.kv_lora_rank, self.scale,
+            )  # [n, heads, kv_lora_rank]
         out = torch.einsum("nhc,hvc->nhv", out, w_uv)  # [n, heads, v_head_dim]
         return self.o_proj(out.reshape(n, heads * m.v_head_dim))
 

@@ -107,8 +107,7 @@ def flashinfer_backend(cache: KVCache) -> AttentionBackend:
         def before_replay(self, batch: int, tokens: int, meta: AttentionMetadata) -> None:
             self.latent_decode.before_replay(batch, tokens, meta)
 
-        def forward_latent(self, layer, q, latent, v_dim, scale):
-            self.cache.write(layer, self.slot_mapping, latent, None)
+        def attend_latent(self, layer, q, v_dim, scale):
             out = self.latent_decode.run(q, self.cache.k[layer], v_dim, scale)
             assert out is not None, "FlashInfer's decode did not take the forward"
             return out

@@ -1,8 +1,9 @@
 """A DeepSeek-V3-geometry model (MLA, tiny) through the Triton backend's latent attention, on
 CPU through Triton's interpreter: prefill chunks, decode steps and a tree verify give the same
-logits as the same model through the SDPA reference backend. Skipped where triton is not
-installed (a failure under CI=true); tests/gpu/test_families_start_cuda.py runs the model
-compiled, graphs on."""
+logits as the same model through the SDPA reference backend, with the eager ops between the
+projections and the attention or `fused_mla.mla_prologue` (forced on, as CUDA runs it).
+Skipped where triton is not installed (a failure under CI=true);
+tests/gpu/test_families_start_cuda.py runs the model compiled, graphs on."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ if importlib.util.find_spec("triton") is None:
 
 import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
 from flashtree.attention.triton import TritonBackend  # noqa: E402
+from flashtree.models import deepseek_v3  # noqa: E402
 from flashtree.models.loader import load_hf_model  # noqa: E402
 from flashtree.runner.forward_batch import BatchItem, Mode  # noqa: E402
 from tests.helpers import PagedHarness  # noqa: E402
@@ -47,10 +49,13 @@ def _run(model, triton: bool) -> list[torch.Tensor]:
     return out + logits
 
 
-def test_mla_model_through_triton_equals_sdpa(tmp_path):
+@pytest.mark.parametrize("prologue", [False, True])
+def test_mla_model_through_triton_equals_sdpa(tmp_path, monkeypatch, prologue):
     path = save_tiny_deepseek_v3(tmp_path / "dsv3", seed=3)
     model, _ = load_hf_model(path, torch.float32, torch.device("cpu"))
     want = _run(model, triton=False)
+    if prologue:
+        monkeypatch.setattr(deepseek_v3, "fused_kernels_apply", lambda x: True)
     got = _run(model, triton=True)
     assert len(got) == len(want) == 10  # 2 + 1 prompts, 3 x 2 decodes, 1 tree
     for i, (g, w) in enumerate(zip(got, want)):

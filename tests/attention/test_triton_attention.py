@@ -42,9 +42,11 @@ def test_split_context_matches_sdpa(kind, num_splits):
 
 
 @pytest.mark.parametrize("kind", ["decode", "chain", "tree", "prefill"])
-@pytest.mark.parametrize("heads,v_dim,tail", [(1, 32, 0), (4, 32, 16), (16, 32, 16), (3, 24, 8)])
+@pytest.mark.parametrize("heads,v_dim,tail", [(1, 32, 0), (4, 32, 16), (16, 32, 16), (3, 24, 8),
+                                               (64, 32, 16)])
 def test_mla_latent_matches_sdpa(kind, heads, v_dim, tail):
-    """MLA: one latent head for all query heads, values its first columns, a rope tail."""
+    """MLA: one latent head for all query heads, values its first columns, a rope tail; a
+    rank's few heads take 16-row tiles, 64 heads and more the 64-row tile."""
     run_latent_case(TritonBackend, kind, heads, v_dim, tail, torch.float32, "cpu", seed=heads)
 
 

@@ -24,6 +24,7 @@ from flashtree.models.loader import load_hf_model  # noqa: E402
 from tests.helpers import PagedHarness, load_reference, save_checkpoint  # noqa: E402
 from tests.layers.fused_cases import (  # noqa: E402
     DTYPES,
+    check_mla_prologue,
     check_norm_rope,
     check_norm_rope_to_cache,
     check_rms_norm,
@@ -82,6 +83,13 @@ def test_model_logits_on_cuda_match_transformers(tmp_path, arch, overrides):
 @pytest.mark.parametrize("layers", [0, 3])
 def test_norm_rope_to_cache_on_cuda(dtype, head_dim, with_norm, layers):
     check_norm_rope_to_cache(dtype, "cuda", head_dim, with_norm, layers)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("heads", [8, 128])  # a Kimi TP8 rank's, DeepSeek-V3's whole
+def test_mla_prologue_on_cuda(dtype, interleaved, heads):
+    check_mla_prologue(dtype, "cuda", interleaved, latent=512, rope=64, heads=heads)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

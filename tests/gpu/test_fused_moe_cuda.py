@@ -31,6 +31,12 @@ def test_int4_experts_match_eager_on_cuda(case, dtype):
     check_fused_experts(case, dtype, "cuda", group=16)
 
 
+@pytest.mark.parametrize("group", [0, 16])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]])  # per pair, EP, grouped
+def test_shared_experts_added_on_cuda(case, group):
+    check_fused_experts(case, torch.bfloat16, "cuda", group=group, shared=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [c for c in CASES if c[3] % 16 == 0 and c[4] % 16 == 0])
 def test_fp8_experts_match_eager_on_cuda(case, dtype):

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton", reason=TRITON_MISSING)
 
-from flashtree.layers import dense  # noqa: E402
+from flashtree.layers import dense, dense_fp32  # noqa: E402
 from flashtree.layers.gemv import gemv, gemv_applies  # noqa: E402
 
 
@@ -68,3 +68,16 @@ def test_other_cases_stay_with_f_linear(case):
     if case == "autograd":
         y.sum().backward()  # F.linear's backward: the kernel has none
         assert x.grad is not None
+
+
+@torch.inference_mode()
+def test_float32_router_weight_on_cuda():
+    """Kimi K2.6's float32 router (384 x 7168) against a bf16 row: float32 logits within
+    float32 summation error of `F.linear(x.float(), weight)` (cuBLAS)."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    weight = torch.randn(384, 7168, generator=gen, device="cuda") / 7168**0.5
+    x = torch.randn(1, 7168, generator=gen, device="cuda").to(torch.bfloat16)
+    y, want = dense_fp32(x, weight), F.linear(x.float(), weight)
+    assert y.dtype == torch.float32 and y.shape == want.shape
+    bound = 7168 * 2.0**-24 * F.linear(x.float().abs(), weight.abs())
+    assert ((y - want).abs() <= 2 * bound).all()

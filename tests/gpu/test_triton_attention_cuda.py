@@ -38,11 +38,11 @@ def test_matches_sdpa_on_cuda(dtype, kind, q_per_kv, head_dim, num_splits):
 
 
 @pytest.mark.parametrize("kind", ["decode", "chain", "tree", "prefill"])
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("heads", [8, 16, 128])
 @pytest.mark.parametrize("num_splits", [None, 1])
 def test_mla_latent_matches_sdpa_on_cuda(kind, heads, num_splits):
-    """DeepSeek-V3's latent attention as it runs: 512 latent + 64 rope columns, bf16, 16 heads
-    (TP8) or 128 (one GPU)."""
+    """DeepSeek-V3's latent attention as it runs: 512 latent + 64 rope columns, bf16, 8 heads
+    (Kimi K2.6 at TP8), 16 (DeepSeek-V3 at TP8) or 128 (one GPU)."""
     run_latent_case(TritonBackend, kind, heads, 512, 64, torch.bfloat16, "cuda", seed=heads,
                     num_splits=num_splits)
 

@@ -123,3 +123,51 @@ def check_norm_rope_to_cache(dtype: torch.dtype, device: str, head_dim: int, wit
         assert torch.equal(v_cache[layer, slots], v[:, layer])
         assert torch.equal(k_cache[layer, others], before_k[layer, others])
         assert torch.equal(v_cache[layer, others], before_v[layer, others])
+
+
+def check_mla_prologue(dtype: torch.dtype, device: str, interleaved: bool, latent: int = 32,
+                       rope: int = 8, heads: int = 3, seed: int = 0) -> None:
+    """`fused_mla.mla_prologue` against transformers' DeepSeek-V3 pieces: the latent normed by
+    `DeepseekV3RMSNorm` and the shared key roped (`apply_rotary_pos_emb_interleave`, or the
+    rotate-half RoPE for checkpoints without interleave) land in scattered cache rows, every
+    other row kept; the query is q_latent (a strided view, as the absorbing einsum returns it)
+    beside each head's roped q_pe, cut from the q_b projection's rows."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3RMSNorm,
+        apply_rotary_pos_emb_interleave,
+    )
+
+    from flashtree.layers.fused_mla import mla_prologue
+
+    torch.manual_seed(seed)
+    n, nope, slots_total, eps = 5, 6, 17, 1e-6
+    q = torch.randn(n, heads * (nope + rope), device=device).to(dtype)
+    q_pe = q.view(n, heads, nope + rope)[..., nope:]
+    q_latent = torch.randn(heads, n, latent, device=device).to(dtype).transpose(0, 1)
+    kv_a = torch.randn(n, 3 + latent + rope, device=device).to(dtype)[:, 3:] * 2
+    cache = torch.randn(slots_total, 1, latent + rope, device=device).to(dtype)
+    before = cache.clone()
+    slots = torch.randperm(slots_total, device=device)[:n]
+    emb = torch.rand(n, 1, rope // 2, device=device) * 100
+    emb = torch.cat((emb, emb), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    weight = torch.randn(latent, device=device).to(dtype)
+
+    out = mla_prologue(q_latent, q_pe, kv_a, cos, sin, weight, eps, cache, slots, interleaved)
+
+    norm = DeepseekV3RMSNorm(latent, eps).to(device=device, dtype=dtype)
+    norm.weight.data.copy_(weight)
+    rotate = apply_rotary_pos_emb_interleave if interleaved else apply_rotary_pos_emb
+    # [batch 1, heads, n, rope] in float32 against cos/sin [1, n, rope], rounded once.
+    ref_q, ref_k = rotate(q_pe.float().transpose(0, 1)[None], kv_a[:, latent:].float()[None, None],
+                          cos[None, :, 0], sin[None, :, 0])
+    assert torch.equal(out[..., :latent], q_latent)
+    torch.testing.assert_close(out[..., latent:], ref_q[0].transpose(0, 1).to(dtype),
+                               **TOLERANCE[dtype])
+    torch.testing.assert_close(cache[slots, 0, :latent], norm(kv_a[:, :latent]),
+                               **TOLERANCE[dtype])
+    torch.testing.assert_close(cache[slots, 0, latent:], ref_k[0, 0].to(dtype),
+                               **TOLERANCE[dtype])
+    others = torch.ones(slots_total, dtype=torch.bool, device=device)
+    others[slots] = False
+    assert torch.equal(cache[others], before[others])

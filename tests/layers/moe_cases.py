@@ -79,7 +79,8 @@ def dequantized(experts: StackedExperts, dtype: torch.dtype) -> tuple[torch.Tens
 
 
 def check_fused_experts(case, dtype: torch.dtype, device: str, seed: int = 0,
-                        group: int = 0, fp8_block: int = 0) -> None:
+                        group: int = 0, fp8_block: int = 0, shared: bool = False) -> None:
+    """`shared`: a shared experts' output is added, after the routed sum's rounding."""
     from flashtree.layers.fused_moe import fused_experts
 
     n, num_experts, top_k, hidden, inter, first, local = case
@@ -101,8 +102,11 @@ def check_fused_experts(case, dtype: torch.dtype, device: str, seed: int = 0,
             w13, w2, lambda w: fp8_block_quantize(w, fp8_block)), fp8_block=(fp8_block,) * 2)
     else:
         experts = StackedExperts(w13, w2)
-    got = fused_experts(x, experts, weights, ids, first)
+    plus = rand(n, hidden) if shared else None
+    got = fused_experts(x, experts, weights, ids, first, shared=plus)
     want = eager_experts(x, *dequantized(experts, dtype), weights, ids, first)
+    if plus is not None:
+        want = want + plus
     assert got.shape == want.shape and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = (got.float() - want.float()).abs().max().item()

@@ -19,6 +19,7 @@ if importlib.util.find_spec("triton") is None:
 import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
 from tests.layers.fused_cases import (  # noqa: E402
     DTYPES,
+    check_mla_prologue,
     check_norm_rope,
     check_norm_rope_to_cache,
     check_rms_norm,
@@ -49,3 +50,9 @@ def test_norm_rope(dtype, head_dim, with_norm):
 @pytest.mark.parametrize("layers", [0, 3])
 def test_norm_rope_to_cache(dtype, head_dim, with_norm, layers):
     check_norm_rope_to_cache(dtype, "cpu", head_dim, with_norm, layers)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_mla_prologue(dtype, interleaved):
+    check_mla_prologue(dtype, "cpu", interleaved)

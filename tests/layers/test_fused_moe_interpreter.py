@@ -32,6 +32,12 @@ def test_int4_experts_match_eager_on_their_dequantized_weights(case, dtype):
     check_fused_experts(case, dtype, "cpu", group=16)
 
 
+@pytest.mark.parametrize("group", [0, 16])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]])  # per pair, EP, grouped
+def test_shared_experts_added_after_the_routed_sum(case, group):
+    check_fused_experts(case, torch.bfloat16, "cpu", group=group, shared=True)
+
+
 @pytest.mark.parametrize("group", [32, 128, 256])  # groups within, as long as, over a tile
 def test_int4_groups_of_any_size_against_tiles(group):
     check_fused_experts((2, 8, 2, 512, 256, 0, 8), torch.bfloat16, "cpu", group=group)

@@ -60,6 +60,18 @@ def test_one_row_matches_float64(dtype, n, k):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("n,k", [(13, 129), (384, 1024)])  # 384: Kimi K2.6's routed experts
+def test_float32_weight_gives_float32(n, k):
+    """A float32 router against a bf16 row: float32 out, as F.linear(x.float(), weight)."""
+    x, weight = random_case(n, k, torch.bfloat16, seed=n)
+    weight = weight.float() * (1 + torch.rand(n, k, generator=torch.Generator().manual_seed(3)))
+    assert gemv_applies(x, weight)
+    y = gemv(x, weight)
+    assert y.shape == (n,) and y.dtype == torch.float32
+    assert_within_rounding(y, x, weight)
+
+
+@torch.inference_mode()
 @pytest.mark.parametrize("x_shape", [(1, -1), (1, 1, -1)])
 def test_leading_dims_kept(x_shape):
     x, weight = random_case(24, 300, torch.bfloat16, seed=1)

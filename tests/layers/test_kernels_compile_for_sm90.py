@@ -27,15 +27,17 @@ from tests.layers.needs_triton import TRITON_MISSING
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAMING = ["gemv"] + [f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", "silu_mul",
-                                                "norm_rope", "norm_rope_to_cache")]
-PAIR_GEMVS = ["moe:pair_gate_up_kernel:int4", "moe:pair_down_kernel:int4",
+                                                "norm_rope", "norm_rope_to_cache",
+                                                "mla_prologue")]
+PAIR_GEMVS = ["moe:pair_gate_up_kernel:int4", "moe:token_down_kernel:int4",
               "moe:pair_gate_up_kernel:int4-split"]
 STREAMING += PAIR_GEMVS
 CASES = [f"moe:{k}:{w}" for k in ("_gate_up_kernel", "_down_kernel")
          for w in ("bf16", "int4", "fp8", "bf16-per-pair")] + [
     "moe:_gate_up_kernel:int4-split", "moe:_split_activation_kernel:bf16", "grouping",
     "merge:all-rows", "merge:written-rows",
-    "router:kimi", "router:deepseek", "attention:dense", "attention:mla", *STREAMING]
+    "router:kimi", "router:deepseek", "attention:dense", "attention:mla",
+    "attention:mla-rank", *STREAMING]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +121,7 @@ def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
 def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
     """A grouped GEMM with its default tiles for bf16, INT4 (group 32) or FP8 experts, over
     blocks of grouped pairs, (`-per-pair`) a block per pair or (`-split`) a split input dim;
-    or (`pair_*`) an INT4 per-pair GEMV."""
+    or (`pair_*`, `token_*`) an INT4 GEMV per pair or per token."""
     from flashtree.layers import fused_moe, moe_gemv
     from flashtree.layers.stacked_experts import StackedExperts
 
@@ -131,11 +133,13 @@ def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
     dummy = torch.empty(1, 2, 8)
     bo, bi = fp8 or (0, 0)
     split = variant == "split"
-    if kernel.startswith("pair_"):
+    if kernel.startswith(("pair_", "token_")):
         pair = fused_moe.PairTiles()
-        down = kernel == "pair_down_kernel"
+        down = kernel == "token_down_kernel"
         constants = dict(GROUP=group, BLOCK_N=pair.down_block_n if down else pair.block_n,
                          BLOCK_K=pair.down_block_k if down else pair.block_k)
+        if down:
+            constants["HAS_SHARED"] = True
         num_warps, module = pair.num_warps, moe_gemv
     else:
         tiles = fused_moe.default_tiles(StackedExperts(dummy, dummy, group=group, fp8_block=fp8))
@@ -147,7 +151,8 @@ def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
     weight_type = {"bf16": "bf16", "int4": "i32", "fp8": "fp8e4nv"}[weights]
     pointers = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="fp32" if split else "bf16",
                     w_ptr=weight_type, s_ptr="bf16" if weights == "int4" else "fp32",
-                    weights_ptr="fp32", pairs_ptr="i32", experts_ptr="i32", local_ptr="i64")
+                    weights_ptr="fp32", pairs_ptr="i32", experts_ptr="i32", local_ptr="i64",
+                    ids_ptr="i64", shared_ptr="bf16")
     return compile_sm90(getattr(module, kernel), constants, pointers, tmp_path, num_warps)
 
 
@@ -184,9 +189,9 @@ def router_case(model: str, tmp_path: Path) -> dict:
                              ids_ptr="i64"), tmp_path, 4, ("num_experts", "stride_t"))
 
 
-def attention_case(mla: bool, tmp_path: Path) -> dict:
+def attention_case(mla: str, tmp_path: Path) -> dict:
     """The paged-attention kernel as dense GQA heads launch it, or the latent kernel with
-    DeepSeek-V3's 128 heads over 512 + 64 columns."""
+    DeepSeek-V3's 128 heads over 512 + 64 columns (`mla`) or a Kimi TP8 rank's 8 (`mla-rank`)."""
     from flashtree.attention.triton import _paged_attention_kernel
     from flashtree.attention.triton_mla import latent_attention_kernel, latent_tile
 
@@ -196,11 +201,12 @@ def attention_case(mla: bool, tmp_path: Path) -> dict:
                     query_start_ptr="i64", mask_ptr="u8")
     strides = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_ks")
     if mla:
-        tile = latent_tile(512)
+        heads = 8 if mla == "mla-rank" else 128
+        tile = latent_tile(512, heads)
         num_warps = tile.pop("num_warps")
         tile.pop("num_stages")
         return compile_sm90(latent_attention_kernel,
-                            dict(constants, HEADS=128, HALF=256, TAIL=64, BLOCK_TAIL=64, **tile),
+                            dict(constants, HEADS=heads, HALF=256, TAIL=64, BLOCK_TAIL=64, **tile),
                             dict(pointers, kv_ptr="bf16"), tmp_path, num_warps, strides)
     constants.update(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=32,
                      HAS_WINDOW=False)
@@ -231,6 +237,17 @@ def fused_case(kernel: str, tmp_path: Path) -> dict:
                             dict(HAS_RESIDUAL=kernel.endswith("residual"), BLOCK=4096),
                             dict.fromkeys(("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr"),
                                           "bf16"), tmp_path, 4, strides)
+    if kernel == "mla_prologue":  # a Kimi K2.6 rank's: latent 512, rope 64, interleaved
+        from flashtree.layers import fused_mla
+
+        pointers = dict.fromkeys(("q_lat_ptr", "q_pe_ptr", "kv_a_ptr", "w_ptr", "q_out_ptr",
+                                  "cache_ptr"), "bf16")
+        pointers.update(cos_ptr="fp32", sin_ptr="fp32", slots_ptr="i64")
+        return compile_sm90(fused_mla._mla_prologue_kernel,
+                            dict(INTERLEAVED=True, BLOCK_LATENT=512, BLOCK_HALF=32), pointers,
+                            tmp_path, 4, ("stride_lt", "stride_pt", "stride_ph", "stride_kt",
+                                          "stride_ct", "stride_ot", "stride_oh", "stride_cs",
+                                          "latent", "half"))
     if kernel == "silu_mul":
         return compile_sm90(fused._silu_mul_kernel, dict(BLOCK=1024),
                             dict(x_ptr="bf16", out_ptr="bf16"), tmp_path, 4,
@@ -268,7 +285,7 @@ def main() -> None:
             elif kind == "fused":
                 out[case] = fused_case(rest[0], Path(tmp))
             else:
-                out[case] = attention_case(rest[0] == "mla", Path(tmp))
+                out[case] = attention_case(rest[0], Path(tmp))
     print(json.dumps(out))
 
 
