@@ -217,7 +217,8 @@ class TritonBackend(AttentionBackend):
                       ) -> torch.Tensor:
         """MLA's absorbed attention (`latent_attention_kernel`): the values are the latent's
         first `v_dim` columns, the rest (the rope part) counts in the scores only; one cached
-        head serves all query heads, so a tile reads each latent page once for 64 query rows."""
+        head serves all query heads, so a tile reads each latent page once for all its query
+        rows (`latent_tile`)."""
         kv = self.cache.k[layer]  # [slots, 1, latent_dim]
         if self.latent_decode is not None:
             out = self.latent_decode.run(q, kv, v_dim, scale)

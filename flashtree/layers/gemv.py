@@ -49,8 +49,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     `gemv_applies`)."""
     assert gemv_applies(x, weight), (
         f"gemv takes one bf16/fp16 row and a weight of its dtype or float32 with contiguous "
-        f"rows: x "
-        f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+        f"rows: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
     x_row = x.reshape(k).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=weight.dtype, device=x.device)
