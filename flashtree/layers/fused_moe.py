@@ -22,22 +22,25 @@ import triton
 import triton.language as tl
 
 from flashtree.layers import programs_to_fill
+from flashtree.layers.int4_unpack import scaled_planes
 from flashtree.layers.moe_align import BLOCK_M, align_by_expert
 from flashtree.layers.moe_gemv import pair_gate_up_kernel, silu_mul, token_down_kernel
 from flashtree.layers.stacked_experts import StackedExperts
 
 PER_PAIR_MAX = 64  # at most this many pairs: a block per pair, no grouping launch
+INT4_PAIR_GEMVS = True
 
 
 @triton.jit
 def _dot_tile(acc, a_rows, a_ok, w, s, rows, rows_ok, k0, k_total, stride_wn, stride_sn,
               BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-              PRECISION: tl.constexpr):
+              PRECISION: tl.constexpr, PACKED_UNPACK: tl.constexpr):
     # acc + a[:, k0:k0+BLOCK_K] . W[rows, k0:k0+BLOCK_K]^T, a's rows at pointers `a_rows`, W a
     # [rows, k] weight: dense; FP8 (BO > 0) times one scale per BO x BI block; or INT4
     # (GROUP > 0) packed eight to an int32 along k, lowest bits first, value + 8, times one
     # scale per GROUP columns. INT4 words are loaded once as a [BLOCK_K / 8, rows] tile and
-    # each nibble position j is its own dot against the columns k = 8 * word + j.
+    # each nibble position j is its own dot against the columns k = 8 * word + j; with
+    # PACKED_UNPACK (bf16), unpacked and scaled by `int4_unpack.scaled_planes`.
     dtype = a_rows.dtype.element_ty
     if GROUP > 0:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -45,13 +48,18 @@ def _dot_tile(acc, a_rows, a_ok, w, s, rows, rows_ok, k0, k_total, stride_wn, st
         w_ok = kw_ok[:, None] & rows_ok[None, :]
         words = tl.load(w + rows[None, :] * stride_wn + kw[:, None], mask=w_ok, other=0)
         scale = tl.load(s + rows[None, :] * stride_sn + (kw[:, None] * 8) // GROUP, mask=w_ok,
-                        other=0.0).to(tl.float32)
+                        other=0.0)
+        if PACKED_UNPACK:
+            planes = scaled_planes(words, scale)
         for j in tl.static_range(8):
             a = tl.load(a_rows[:, None] + (kw * 8 + j)[None, :],
                         mask=a_ok[:, None] & kw_ok[None, :], other=0.0)
-            values = ((words >> (4 * j)) & 0xF) - 8
-            acc += tl.dot(a, (values.to(tl.float32) * scale).to(dtype),
-                          input_precision=PRECISION)
+            if PACKED_UNPACK:
+                tile = planes[j]
+            else:
+                values = ((words >> (4 * j)) & 0xF) - 8
+                tile = (values.to(tl.float32) * scale.to(tl.float32)).to(dtype)
+            acc += tl.dot(a, tile, input_precision=PRECISION)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < k_total
@@ -90,7 +98,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, local_
                     stride_wn, stride_se, stride_sn, stride_os, stride_ot,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-                    PER_PAIR: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                    PER_PAIR: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                    PACKED_UNPACK: tl.constexpr):
     # out[pair, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for a block of pairs;
     # with SPLIT, this split's share of the input dim: out[split, pair, n] = x . gate[e, n]
     # and out[split, pair, inter + n] = x . up[e, n], in float32.
@@ -108,9 +117,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, local_
     k_start = tl.program_id(2) * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, hidden), BLOCK_K):
         gate = _dot_tile(gate, a_rows, rows_ok, w, sc, cols, cols_ok, k0, hidden, stride_wn,
-                         stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION)
+                         stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION, PACKED_UNPACK)
         up = _dot_tile(up, a_rows, rows_ok, w, sc, inter + cols, cols_ok, k0, hidden,
-                       stride_wn, stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION)
+                       stride_wn, stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION, PACKED_UNPACK)
     out = out_ptr + tl.program_id(2) * stride_os + pairs[:, None] * stride_ot + cols[None, :]
     ok = rows_ok[:, None] & cols_ok[None, :]
     if SPLIT:
@@ -142,7 +151,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts
                  num_pairs, num_experts, hidden, inter, stride_at, stride_we, stride_wn,
                  stride_se, stride_sn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BO: tl.constexpr,
-                 BI: tl.constexpr, PER_PAIR: tl.constexpr, PRECISION: tl.constexpr):
+                 BI: tl.constexpr, PER_PAIR: tl.constexpr, PRECISION: tl.constexpr,
+                 PACKED_UNPACK: tl.constexpr):
     # out[pair, n] = routing weight[pair] * (act[pair] . down[e, n]) for a block of pairs.
     pairs, rows_ok, expert = _block_pairs(pairs_ptr, experts_ptr, local_ptr, num_pairs,
                                           num_experts, BLOCK_M, PER_PAIR)
@@ -157,7 +167,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         acc = _dot_tile(acc, a_rows, rows_ok, w, sc, cols, cols_ok, k0, inter, stride_wn,
-                        stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION)
+                        stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION, PACKED_UNPACK)
     routing = tl.load(weights_ptr + pairs, mask=rows_ok, other=0.0)
     y = acc.to(dtype).to(tl.float32) * routing[:, None]
     tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], y.to(dtype),
@@ -216,7 +226,8 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
         raise ValueError(f"INT4 group size {experts.group} is not a multiple of 8")
     num_pairs = n * top_k
     per_pair = num_pairs <= PER_PAIR_MAX
-    if per_pair and experts.group:
+    packed_unpack = packed_unpack_applies(x, experts)
+    if per_pair and experts.group and INT4_PAIR_GEMVS:
         return _int4_pair_gemvs(x, experts, weights, ids, first_expert,
                                 routed_experts or num_experts, pair_tiles or PairTiles(), shared)
     local = ids.flatten() - first_expert
@@ -237,6 +248,7 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     bo, bi = experts.fp8_block or (0, 0)
     common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=experts.group,
                   BO=bo, BI=bi, PER_PAIR=per_pair, PRECISION=precision,
+                  PACKED_UNPACK=packed_unpack,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     w13, s13 = experts.gate_up, experts.gate_up_scale
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n), splits)](
@@ -252,6 +264,15 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
         w2.stride(1), *_strides(s2), out.stride(0), **common)
     routed = out.view(n, top_k, hidden).sum(dim=1)
     return routed if shared is None else routed + shared
+
+
+def packed_unpack_applies(x: torch.Tensor, experts: StackedExperts) -> bool:
+    """Whether the INT4 tiles unpack with `int4_unpack.scaled_planes`: bf16 activations and
+    scales on a compiled (not interpreted) sm_80+ device."""
+    return (bool(experts.group) and x.is_cuda and x.dtype == torch.bfloat16
+            and experts.gate_up_scale is not None
+            and experts.gate_up_scale.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
 def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,

@@ -16,7 +16,13 @@ pytest.importorskip("triton", reason=TRITON_MISSING)
 
 from flashtree.layers.fused_moe import fused_experts  # noqa: E402
 from flashtree.layers.stacked_experts import StackedExperts  # noqa: E402
-from tests.layers.moe_cases import CASES, check_fused_experts, eager_experts  # noqa: E402
+from tests.layers.moe_cases import (  # noqa: E402
+    CASES,
+    check_fused_experts,
+    eager_experts,
+    pack_int4,
+    stack_quantized,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,3 +74,68 @@ def test_graph_replay_follows_new_routing():
     graph.replay()
     want = eager_experts(x, w13, w2, weights, ids, 0)
     assert (out - want).abs().max().item() < 1e-4
+
+
+def test_packed_unpack_equals_dequantize_int4_exactly():
+    """`int4_unpack.scaled_planes` on every nibble value and on scales across bf16's range
+    gives `dequantize_int4`'s bf16 weights bit for bit (one rounding of (v - 8) * scale)."""
+    import triton
+    import triton.language as tl
+
+    from flashtree.layers.int4 import dequantize_int4
+    from flashtree.layers.int4_unpack import scaled_planes
+
+    @triton.jit
+    def planes_kernel(w_ptr, s_ptr, out_ptr, cols, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        words = tl.load(w_ptr + r * cols + c)
+        scale = tl.load(s_ptr + r * (cols * 8 // GROUP) + c * 8 // GROUP)
+        planes = scaled_planes(words, scale)
+        for j in tl.static_range(8):
+            tl.store(out_ptr + r * cols * 8 + c * 8 + j, planes[j])
+
+    rows, cols, group = 64, 256, 32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (rows, cols), device="cuda", generator=gen,
+                          dtype=torch.int32)
+    words[0, 0::2] = 0x76543210  # row 0: all 16 values, in both words of each pair
+    words[0, 1::2] = 0xFEDCBA98 - 2**32  # (as int32)
+    scale = (torch.randn(rows, cols * 8 // group, device="cuda", generator=gen)
+             * torch.logspace(-6, 3, rows, device="cuda")[:, None]).bfloat16()
+    out = torch.empty(rows, cols * 8, device="cuda", dtype=torch.bfloat16)
+    planes_kernel[(rows,)](words, scale, out, cols, GROUP=group, BLOCK=cols)
+    assert torch.equal(out.view(torch.int16), dequantize_int4(words, scale, group).view(
+        torch.int16))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] % 16 == 0])
+def test_int4_tiles_per_pair_match_eager_on_cuda(case, monkeypatch):
+    """The tensor-core INT4 tiles with a block per pair (where the pair GEMVs are off)."""
+    from flashtree.layers import fused_moe
+
+    monkeypatch.setattr(fused_moe, "INT4_PAIR_GEMVS", False)
+    check_fused_experts(case, torch.bfloat16, "cuda", group=16)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[6], CASES[7]])
+@pytest.mark.parametrize("pair_gemvs", [True, False])
+def test_packed_unpack_gives_the_scalar_unpacks_result(case, pair_gemvs, monkeypatch):
+    """The INT4 tiles with `int4_unpack`'s PTX and with the scalar unpack feed their dots the
+    same bf16 weights, so their results are equal bit for bit (grouped and per pair, split)."""
+    from flashtree.layers import fused_moe
+
+    n, num_experts, top_k, hidden, inter, first, local = case
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, hidden, generator=gen).bfloat16().cuda()
+    w13, w2 = torch.randn(local, 2 * inter, hidden, generator=gen), torch.randn(
+        local, hidden, inter, generator=gen)
+    experts = StackedExperts(*stack_quantized(
+        w13.bfloat16().cuda(), w2.bfloat16().cuda(), lambda w: pack_int4(w, 16)), 16)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(n)])
+    weights = torch.rand(n, top_k, generator=gen)
+    monkeypatch.setattr(fused_moe, "INT4_PAIR_GEMVS", pair_gemvs)
+    assert fused_moe.packed_unpack_applies(x, experts)
+    packed = fused_experts(x, experts, weights.cuda(), ids.cuda(), first)
+    monkeypatch.setattr(fused_moe, "packed_unpack_applies", lambda *_: False)
+    assert torch.equal(packed, fused_experts(x, experts, weights.cuda(), ids.cuda(), first))

@@ -26,15 +26,17 @@ import torch
 from tests.layers.needs_triton import TRITON_MISSING
 
 ROOT = Path(__file__).resolve().parents[2]
-STREAMING = ["gemv"] + [f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", "silu_mul",
-                                                "norm_rope", "norm_rope_to_cache",
-                                                "mla_prologue")]
+STREAMING = ["gemv", "gemv:rows"] + [
+    f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", "silu_mul", "norm_rope",
+                           "norm_rope_to_cache", "mla_prologue")]
 PAIR_GEMVS = ["moe:pair_gate_up_kernel:int4", "moe:token_down_kernel:int4",
               "moe:pair_gate_up_kernel:int4-split"]
 STREAMING += PAIR_GEMVS
 CASES = [f"moe:{k}:{w}" for k in ("_gate_up_kernel", "_down_kernel")
          for w in ("bf16", "int4", "fp8", "bf16-per-pair")] + [
     "moe:_gate_up_kernel:int4-split", "moe:_split_activation_kernel:bf16", "grouping",
+    *(f"moe:{k}:int4-packed{v}" for k in ("_gate_up_kernel", "_down_kernel")
+      for v in ("", "-per-pair")), "moe:_gate_up_kernel:int4-packed-split",
     "merge:all-rows", "merge:written-rows",
     "router:kimi", "router:deepseek", "attention:dense", "attention:mla",
     "attention:mla-rank", *STREAMING]
@@ -120,8 +122,9 @@ def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
 
 def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
     """A grouped GEMM with its default tiles for bf16, INT4 (group 32) or FP8 experts, over
-    blocks of grouped pairs, (`-per-pair`) a block per pair or (`-split`) a split input dim;
-    or (`pair_*`, `token_*`) an INT4 GEMV per pair or per token."""
+    blocks of grouped pairs, (`-per-pair`) a block per pair or (`-split`) a split input dim,
+    INT4 (`-packed`) unpacked by `int4_unpack`'s PTX; or (`pair_*`, `token_*`) an INT4 GEMV
+    per pair or per token."""
     from flashtree.layers import fused_moe, moe_gemv
     from flashtree.layers.stacked_experts import StackedExperts
 
@@ -132,6 +135,8 @@ def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
     group, fp8 = {"bf16": (0, None), "int4": (32, None), "fp8": (0, (128, 128))}[weights]
     dummy = torch.empty(1, 2, 8)
     bo, bi = fp8 or (0, 0)
+    packed = variant.startswith("packed")
+    variant = variant.removeprefix("packed").removeprefix("-")
     split = variant == "split"
     if kernel.startswith(("pair_", "token_")):
         pair = fused_moe.PairTiles()
@@ -144,7 +149,8 @@ def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
     else:
         tiles = fused_moe.default_tiles(StackedExperts(dummy, dummy, group=group, fp8_block=fp8))
         constants = dict(BLOCK_M=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group,
-                         BO=bo, BI=bi, PER_PAIR=variant == "per-pair", PRECISION="tf32")
+                         BO=bo, BI=bi, PER_PAIR=variant == "per-pair", PRECISION="tf32",
+                         PACKED_UNPACK=packed)
         num_warps, module = tiles.num_warps, fused_moe
     if "gate_up" in kernel:
         constants["SPLIT"] = split
@@ -215,11 +221,16 @@ def attention_case(mla: str, tmp_path: Path) -> dict:
                         strides + ("stride_kh", "stride_vs", "stride_vh"))
 
 
-def gemv_case(tmp_path: Path) -> dict:
+def gemv_case(rows: bool, tmp_path: Path) -> dict:
     """The batch-1 GEMV as `layers/gemv.py` launches it on bf16 weights whose K and row stride
-    are multiples of 16 (every projection of the models served)."""
+    are multiples of 16 (every projection of the models served); or (`rows`) its few-row
+    kernel on a float32 router's weight."""
     from flashtree.layers import gemv
 
+    if rows:
+        return compile_sm90(gemv._rows_gemv_kernel, dict(ROWS=16, BLOCK_N=16, BLOCK_K=128),
+                            dict(x_ptr="bf16", w_ptr="fp32", part_ptr="fp32"), tmp_path, 4,
+                            ("k", "stride_x", "stride_w", "stride_ps", "k_per_split"))
     return compile_sm90(gemv._gemv_kernel, dict(BLOCK_N=gemv._BLOCK_N, BLOCK_K=gemv._BLOCK_K),
                         dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16"), tmp_path, gemv._WARPS,
                         ("k", "stride_w"))
@@ -281,7 +292,7 @@ def main() -> None:
             elif kind == "router":
                 out[case] = router_case(rest[0], Path(tmp))
             elif kind == "gemv":
-                out[case] = gemv_case(Path(tmp))
+                out[case] = gemv_case(rest == ["rows"], Path(tmp))
             elif kind == "fused":
                 out[case] = fused_case(rest[0], Path(tmp))
             else:
