@@ -23,15 +23,12 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 def dense_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x.float(), weight)` for a float32 weight (a router kept in float32); one row on
-    CUDA goes through `layers/gemv.py`'s GEMV, a few rows through its `rows_gemv`: both widen
-    x as they read it."""
+    CUDA goes through `layers/gemv.py`'s kernel, which widens x as it reads it."""
     if fused_kernels_apply(x):
-        from flashtree.layers.gemv import gemv, gemv_applies, rows_gemv, rows_gemv_applies
+        from flashtree.layers.gemv import gemv, gemv_applies
 
         if gemv_applies(x, weight):
             return gemv(x, weight)
-        if rows_gemv_applies(x, weight):
-            return rows_gemv(x, weight)
     return torch.nn.functional.linear(x.float(), weight.float())
 
 

@@ -6,8 +6,9 @@ routing weight fused; the top-k partial outputs of each token are summed last. A
 (decode, small verifies) each pair is a block of its own, read straight from the router's ids
 with no grouping launch (INT4 experts: a GEMV of its own, `layers/moe_gemv.py`); past that the
 pairs are grouped by expert on the device (`layers/moe_align.py`), each expert's run padded to
-BLOCK_M. Where the pairs touch too few experts to fill the GPU, gate/up splits its input dim
-over programs that write float32 partial sums, which one small kernel adds up under SiLU.
+BLOCK_M (INT4 tiles under bf16 unpack their weights in PTX, `layers/int4_unpack.py`). Where the
+pairs touch too few experts to fill the GPU, gate/up splits its input dim over programs that
+write float32 partial sums, which one small kernel adds up under SiLU.
 Rounding follows the eager path (`layers/moe.py`): the projections and SiLU round to the
 activation dtype where its ops do, so results differ from it only in summation order (and, in
 the INT4 GEMVs, the weights' rounding). Used for CUDA tensors (`SparseMoE` chooses);
@@ -28,7 +29,6 @@ from flashtree.layers.moe_gemv import pair_gate_up_kernel, silu_mul, token_down_
 from flashtree.layers.stacked_experts import StackedExperts
 
 PER_PAIR_MAX = 64  # at most this many pairs: a block per pair, no grouping launch
-INT4_PAIR_GEMVS = True
 
 
 @triton.jit
@@ -227,7 +227,7 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     num_pairs = n * top_k
     per_pair = num_pairs <= PER_PAIR_MAX
     packed_unpack = packed_unpack_applies(x, experts)
-    if per_pair and experts.group and INT4_PAIR_GEMVS:
+    if per_pair and experts.group:
         return _int4_pair_gemvs(x, experts, weights, ids, first_expert,
                                 routed_experts or num_experts, pair_tiles or PairTiles(), shared)
     local = ids.flatten() - first_expert

@@ -48,11 +48,3 @@ def test_int4_groups_of_any_size_against_tiles(group):
 def test_fp8_experts_match_eager_on_their_dequantized_weights(case, dtype):
     check_fused_experts(case, dtype, "cpu", fp8_block=16)
 
-
-@pytest.mark.parametrize("case", [c for c in CASES if c[4] % 16 == 0 and c[0] * c[2] <= 64])
-def test_int4_tiles_per_pair_match_eager(case, monkeypatch):
-    """INT4 experts on the tensor-core tiles with a block per pair, the pair GEMVs off."""
-    from flashtree.layers import fused_moe
-
-    monkeypatch.setattr(fused_moe, "INT4_PAIR_GEMVS", False)
-    check_fused_experts(case, torch.bfloat16, "cpu", group=16)

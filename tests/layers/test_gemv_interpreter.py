@@ -19,12 +19,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip(TRITON_MISSING, allow_module_level=True)
 
 import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
-from flashtree.layers.gemv import (  # noqa: E402
-    gemv,
-    gemv_applies,
-    rows_gemv,
-    rows_gemv_applies,
-)
+from flashtree.layers.gemv import gemv, gemv_applies  # noqa: E402
 
 # u = 2^-p for p significand bits: half an ulp of 1, relative, rounding to nearest.
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
@@ -96,26 +91,3 @@ def test_strided_row_and_weight_columns():
     x, weight = wide[1, ::2], full[:, 50:650]
     assert weight.stride(0) == 700 and gemv_applies(x, weight)
     assert_within_rounding(gemv(x, weight), x, weight)
-
-
-@torch.inference_mode()
-@pytest.mark.parametrize("rows,n,k", [(2, 13, 129), (9, 384, 1024), (16, 40, 700),
-                                      (5, 7, 2000)])
-def test_few_rows_against_float32_weight(rows, n, k):
-    """`rows_gemv` (a float32 router at a verify's tokens): every row within float32
-    summation error of float64; a partial output block, K split over programs and not."""
-    gen = torch.Generator().manual_seed(rows * n)
-    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-    weight = torch.randn(n, k, generator=gen) / k ** 0.5
-    assert rows_gemv_applies(x, weight) and not gemv_applies(x, weight)
-    y = rows_gemv(x, weight)
-    assert y.shape == (rows, n) and y.dtype == torch.float32
-    for r in range(rows):
-        assert_within_rounding(y[r], x[r], weight)
-
-
-def test_rows_gemv_refuses_what_it_does_not_take():
-    weight = torch.randn(8, 64)
-    assert not rows_gemv_applies(torch.randn(17, 64).bfloat16(), weight)  # over ROWS_MAX
-    assert not rows_gemv_applies(torch.randn(2, 64).bfloat16(), weight.bfloat16())
-    assert not rows_gemv_applies(torch.randn(2, 32).bfloat16(), weight)  # k mismatch

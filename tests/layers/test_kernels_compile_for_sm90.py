@@ -26,7 +26,7 @@ import torch
 from tests.layers.needs_triton import TRITON_MISSING
 
 ROOT = Path(__file__).resolve().parents[2]
-STREAMING = ["gemv", "gemv:rows"] + [
+STREAMING = ["gemv"] + [
     f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", "silu_mul", "norm_rope",
                            "norm_rope_to_cache", "mla_prologue")]
 PAIR_GEMVS = ["moe:pair_gate_up_kernel:int4", "moe:token_down_kernel:int4",
@@ -35,8 +35,8 @@ STREAMING += PAIR_GEMVS
 CASES = [f"moe:{k}:{w}" for k in ("_gate_up_kernel", "_down_kernel")
          for w in ("bf16", "int4", "fp8", "bf16-per-pair")] + [
     "moe:_gate_up_kernel:int4-split", "moe:_split_activation_kernel:bf16", "grouping",
-    *(f"moe:{k}:int4-packed{v}" for k in ("_gate_up_kernel", "_down_kernel")
-      for v in ("", "-per-pair")), "moe:_gate_up_kernel:int4-packed-split",
+    "moe:_gate_up_kernel:int4-packed", "moe:_down_kernel:int4-packed",
+    "moe:_gate_up_kernel:int4-packed-split",
     "merge:all-rows", "merge:written-rows",
     "router:kimi", "router:deepseek", "attention:dense", "attention:mla",
     "attention:mla-rank", *STREAMING]
@@ -221,16 +221,11 @@ def attention_case(mla: str, tmp_path: Path) -> dict:
                         strides + ("stride_kh", "stride_vs", "stride_vh"))
 
 
-def gemv_case(rows: bool, tmp_path: Path) -> dict:
+def gemv_case(tmp_path: Path) -> dict:
     """The batch-1 GEMV as `layers/gemv.py` launches it on bf16 weights whose K and row stride
-    are multiples of 16 (every projection of the models served); or (`rows`) its few-row
-    kernel on a float32 router's weight."""
+    are multiples of 16 (every projection of the models served)."""
     from flashtree.layers import gemv
 
-    if rows:
-        return compile_sm90(gemv._rows_gemv_kernel, dict(ROWS=16, BLOCK_N=16, BLOCK_K=128),
-                            dict(x_ptr="bf16", w_ptr="fp32", part_ptr="fp32"), tmp_path, 4,
-                            ("k", "stride_x", "stride_w", "stride_ps", "k_per_split"))
     return compile_sm90(gemv._gemv_kernel, dict(BLOCK_N=gemv._BLOCK_N, BLOCK_K=gemv._BLOCK_K),
                         dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16"), tmp_path, gemv._WARPS,
                         ("k", "stride_w"))
@@ -292,7 +287,7 @@ def main() -> None:
             elif kind == "router":
                 out[case] = router_case(rest[0], Path(tmp))
             elif kind == "gemv":
-                out[case] = gemv_case(rest == ["rows"], Path(tmp))
+                out[case] = gemv_case(Path(tmp))
             elif kind == "fused":
                 out[case] = fused_case(rest[0], Path(tmp))
             else:
