@@ -47,4 +47,3 @@ def test_int4_groups_of_any_size_against_tiles(group):
 @pytest.mark.parametrize("case", [c for c in CASES if c[3] % 16 == 0 and c[4] % 16 == 0])
 def test_fp8_experts_match_eager_on_their_dequantized_weights(case, dtype):
     check_fused_experts(case, dtype, "cpu", fp8_block=16)
-

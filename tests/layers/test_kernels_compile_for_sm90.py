@@ -26,9 +26,9 @@ import torch
 from tests.layers.needs_triton import TRITON_MISSING
 
 ROOT = Path(__file__).resolve().parents[2]
-STREAMING = ["gemv"] + [
-    f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", "silu_mul", "norm_rope",
-                           "norm_rope_to_cache", "mla_prologue")]
+STREAMING = ["gemv"] + [f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", "silu_mul",
+                                                "norm_rope", "norm_rope_to_cache",
+                                                "mla_prologue")]
 PAIR_GEMVS = ["moe:pair_gate_up_kernel:int4", "moe:token_down_kernel:int4",
               "moe:pair_gate_up_kernel:int4-split"]
 STREAMING += PAIR_GEMVS
