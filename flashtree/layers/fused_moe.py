@@ -226,7 +226,6 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
         raise ValueError(f"INT4 group size {experts.group} is not a multiple of 8")
     num_pairs = n * top_k
     per_pair = num_pairs <= PER_PAIR_MAX
-    packed_unpack = packed_unpack_applies(x, experts)
     if per_pair and experts.group:
         return _int4_pair_gemvs(x, experts, weights, ids, first_expert,
                                 routed_experts or num_experts, pair_tiles or PairTiles(), shared)
@@ -248,7 +247,7 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     bo, bi = experts.fp8_block or (0, 0)
     common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=experts.group,
                   BO=bo, BI=bi, PER_PAIR=per_pair, PRECISION=precision,
-                  PACKED_UNPACK=packed_unpack,
+                  PACKED_UNPACK=packed_unpack_applies(x, experts),
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     w13, s13 = experts.gate_up, experts.gate_up_scale
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n), splits)](
