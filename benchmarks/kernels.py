@@ -13,8 +13,6 @@
              larger than L2 (microseconds, weight TB/s)
 
     python -m benchmarks.kernels --out benchmarks/results/DATE-kernels.md
-    python -m benchmarks.kernels --device cpu --mla-shape tiny-mla --batches 1,2 \
-        --contexts 32 --mla-contexts 32 --mla-batches 1 --out /tmp/k.md   # a check
 
 Off CUDA only SDPA runs (a check of the script). JSON keys: `mla_decode_tbps_16k_b32`,
 `flashinfer_mla_decode_tbps_16k_b32`, `mla_verify64_over_decode`."""

@@ -20,7 +20,6 @@ qwen3-30b-a3b --sections steps --batches 1,8,32,128`.
     python -m benchmarks.moe --shapes kimi-k2.6 --layout tp8 --out moe-tp8.md
     python -m benchmarks.moe --sections kimi --ranks tp8.json,ep8.json --moe moe-tp8.json \
         --out benchmarks/results/DATE-kimi-rank-gpu.md
-    python -m benchmarks.moe --shapes tiny-moe --device cpu --out /tmp/moe.md   # a check
 
 On a CPU only the loop runs (a check of the script). JSON keys: `fused_over_loop_b1` (the
 Qwen3 layer's loop over its fused time at one token), `int4_layer_over_floor_b1` (the Kimi

@@ -21,8 +21,6 @@ convention (E divides T; the experts form E groups held by T / E ranks each):
     python -m benchmarks.multigpu --layouts tp4,tp8,ep8,ep4tp2 --out multigpu.md
     python -m benchmarks.multigpu --shape qwen3-8b --layouts tp1,tp2 --eager --concurrency 1,8,32 \
         --sections decode,equality,comm,oracle --out benchmarks/results/DATE-tp-gpu.md
-    python -m benchmarks.multigpu --shape tiny-moe --device cpu --dtype float32 --layouts tp1,ep2 \
-        --out /tmp/m.md   # a check over gloo
 
 The JSON has `tp2_over_tp1_b1` and `tp2_over_tp1_b32` when the layouts hold tp1 and tp2."""
 

@@ -24,11 +24,9 @@ tokens/s are decode-phase rates (from a request's `--skip`-th token on).
     python -m benchmarks.speculative --sections steps,calibrate,c1,profile
     python -m benchmarks.speculative --sections sweep --rounds 2
     python -m benchmarks.speculative --shape qwen3-30b-a3b --sections steps --batches 1,8,32,128
-    python -m benchmarks.speculative --shape deepseek-v3 --layers 2 --first-dense 1 --sections steps
     python -m benchmarks.speculative --shape kimi-k2.6 --layout tp8 --dflash-tau 5.0 \
         --ddtree-tau 7.0 --budgets 7,15,31,63 --sections steps,calibrate,c1,profile,verify
     python -m benchmarks.speculative --plot benchmarks/results/DATE-speculative.json
-    python -m benchmarks.speculative --shape tiny --device cpu --dtype float32 --out /tmp/s.md
 
 Results merge into `--out` (markdown) and the JSON beside it, section by section."""
 
@@ -91,10 +89,11 @@ PAPER_DDTREE_TAU = 9.54  # DDTree paper, Qwen3-8B on GSM8K: 6.57 -> 9.54
 CALIBRATION_BUDGET = 255  # the DDTree paper's best budgets on Qwen3-8B were 256-512 nodes
 CURVE_TAUS = (2, 3, 4, 5, 6.6, 8, 10, 12)  # chain acceptances of the plot's oracle settings
 GOAL_KEYS = ("ar_step_over_floor", "ar_speed_over_compiled_peer", "draft_over_ar_step",
-             "verify16_over_ar_step", "verify64_over_ar_step", "dflash_over_none_c1",
-             "ddtree_over_none_c1", "ddtree_over_dflash_c1", "gpu_busy_spec_step",
-             "device_reads_per_spec_step", "min_spec_over_none", "min_adaptive_over_best_fixed",
-             "speedup_vs_reference_dflash", "ddtree_over_dflash_e2e")
+             "verify16_over_ar_step", "verify64_over_ar_step", "verify256_over_ar_step",
+             "dflash_over_none_c1", "ddtree_over_none_c1", "ddtree_over_dflash_c1",
+             "ddtree_best_budget_c1", "gpu_busy_ddtree_step", "host_ms_between_steps",
+             "device_reads_per_spec_step", "adaptive_tau_bias_in_se", "ddtree_over_dflash_e2e",
+             "min_spec_over_none", "min_adaptive_over_best_fixed", "speedup_vs_reference_dflash")
 
 
 def chain_rate(tau: float, block: int = BLOCK) -> float:
@@ -691,29 +690,36 @@ def reference_dflash(target: Path, drafter: Path, prompts: list[list[int]], toke
 def summary(res: dict) -> dict:
     """The headline keys (the goals' and others) from the sections present."""
     out: dict = {}
-    st, c1, prof, sw, pair, gen = (res.get(k) for k in ("steps", "c1", "profile", "sweep",
-                                                         "pair", "generate"))
+    st, ver, c1, prof, sw, pair, gen = (res.get(k) for k in (
+        "steps", "verify", "c1", "profile", "sweep", "pair", "generate"))
     if st:
-        ar, chain = st["ar"].get("1") or next(iter(st["ar"].values())), st.get("chain", BLOCK)
+        ar = st["ar"].get("1") or next(iter(st["ar"].values()))
         out.update(ar_step_over_floor=ar["ms"] / ar["floor_ms"],
                    draft_over_ar_step=st["draft_ms"] / ar["ms"],
-                   **{f"verify{chain}_over_ar_step": st[f"verify{chain}_ms"] / ar["ms"]},
-                   verify64_over_ar_step=st["verify64_ms"] / ar["ms"])
+                   **{f"{k[:-3]}_over_ar_step": v / ar["ms"] for k, v in st.items()
+                      if k.startswith("verify") and k.endswith("_ms")})
         if "peer_ms" in st:
             out["ar_speed_over_compiled_peer"] = st["peer_ms"] / ar["ms"]
         if st["graphs"]:
             out["ar_graph_speedup_b1"] = ar["eager_ms"] / ar["ms"]
+    if ver and "256" in (first_ctx := next(iter(ver["over_ar_step"].values()))):
+        out["verify256_over_ar_step"] = first_ctx["256"]
     if c1:
         best = c1["ddtree_budgets"][str(c1["best_budget"])]
         none, dflash = c1["none"]["tokens_per_s"], c1["dflash"]["tokens_per_s"]
         out.update(dflash_over_none_c1=dflash / none,
                    ddtree_over_none_c1=best["tokens_per_s"] / none,
                    ddtree_over_dflash_c1=best["tokens_per_s"] / dflash,
+                   ddtree_best_budget_c1=c1["best_budget"],
                    measured_tau_dflash=c1["dflash"]["tau"], measured_tau_ddtree=best["tau"],
-                   adaptive_tau_over_fixed_tau=c1.get("adaptive_tau_over_fixed_tau"))
+                   adaptive_tau_over_fixed_tau=(taus := c1.get("adaptive_tau_over_fixed_tau")))
+        out["adaptive_tau_bias_in_se"] = max(  # the largest |ratio - 1| in standard errors
+            (abs(t["ratio"] - 1) / t["se"] for t in (taus or {}).values() if t["se"]), default=None)
     if prof:
         reads = [prof[m]["device_reads"] for m in ("dflash", "ddtree")]
-        out.update(gpu_busy_spec_step=prof["ddtree"]["gpu_busy"],
+        dd = prof["ddtree"]
+        out.update(gpu_busy_ddtree_step=dd["gpu_busy"], host_ms_between_steps=None if
+                   dd["gpu_busy_ms"] is None else dd["wall_ms"] - dd["gpu_busy_ms"],
                    device_reads_per_spec_step=None if None in reads else max(reads))
     if sw:
         out.update(_sweep_keys(sw))
@@ -795,9 +801,8 @@ def _steps_lines(st: dict) -> list[str]:
     return lines + ["", f"Whole engine step at batch 1: {st['engine_step_ms']:.3f} ms; {peer}. "
                     f"DFlash engine: decode {st['decode_with_context_ms']:.3f} ms (context "
                     f"written for the drafter), {chain}-token chain verify "
-                    f"{st[f'verify{chain}_ms']:.3f} "
-                    f"ms, draft {st['draft_ms']:.3f} ms, a block's context injection "
-                    f"{st['inject_ms']:.3f} ms; DDTree engine: 64-node verify "
+                    f"{st[f'verify{chain}_ms']:.3f} ms, draft {st['draft_ms']:.3f} ms, a block's "
+                    f"context injection {st['inject_ms']:.3f} ms; DDTree engine: 64-node verify "
                     f"{st['verify64_ms']:.3f} ms. Graph-replayed: {st['graphs']}.", ""]
 
 
