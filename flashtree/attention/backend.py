@@ -37,7 +37,8 @@ class AttentionMetadata:
     # Optional visibility among the new tokens: [num_seqs, max_query_len, max_query_len] bool,
     # entry [i, a, b] says whether new token a of sequence i sees new token b. Context tokens
     # are always visible. None means causal (or all-visible when `causal` is False). Tree
-    # verification passes the ancestor mask here.
+    # verification passes the ancestor mask here; under `causal` a mask must be
+    # lower-triangular (parents before children): kernels skip keys after a tile's last row.
     new_token_mask: torch.Tensor | None = None
     causal: bool = True
     # Keys more than `sliding_window - 1` positions before a query are hidden (and after it,

@@ -93,7 +93,7 @@ def _paged_attention_kernel(
 
     for phase in tl.static_range(2):
         k_begin, k_end = key_range(phase, split, lo, ctx_len, kv_len, last_tok, NUM_SPLITS,
-                                   BLOCK_N, CAUSAL, HAS_MASK)
+                                   BLOCK_N, CAUSAL)
         for start in range(k_begin, k_end, BLOCK_N):
             key = start + offs_n  # [BLOCK_N] logical KV index
             key_ok = key < k_end

@@ -29,24 +29,22 @@ def new_token_visibility(visible, mask_row_ptr, stride_mq, tok, new, distance,
 
 @triton.jit
 def key_range(phase: tl.constexpr, split, lo, ctx_len, kv_len, last_tok,
-              NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_MASK: tl.constexpr):
-    """[begin, end) of the keys a program streams in `phase`: 0, its split of the context
-    keys [lo, ctx_len) in whole blocks; 1, the new tokens [ctx_len, kv_len), streamed by the
-    last split only and, for a causal tile without a mask, only up to its last row's token
-    `last_tok` (later keys are hidden from the whole tile)."""
+              NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """[begin, end) of the keys a program streams in `phase`, its split's share in whole
+    blocks of: 0, the context keys [lo, ctx_len); 1, the new tokens [ctx_len, kv_len), for a
+    causal tile only up to its last row's token `last_tok` (a causal mask is lower-triangular,
+    so later keys are hidden from the whole tile)."""
     if phase == 0:
-        chunk = tl.cdiv(tl.cdiv(ctx_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        begin = lo + split * chunk
-        end = tl.minimum(begin + chunk, ctx_len)
+        first = lo
+        last = ctx_len
     else:
-        begin = ctx_len
-        end = kv_len
-        if CAUSAL and not HAS_MASK:
-            end = tl.minimum(kv_len, ctx_len + last_tok + 1)
-        if split != NUM_SPLITS - 1:
-            end = ctx_len
-    return begin, end
+        first = ctx_len
+        last = kv_len
+        if CAUSAL:
+            last = tl.minimum(kv_len, ctx_len + last_tok + 1)
+    chunk = tl.cdiv(tl.cdiv(last - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    begin = first + split * chunk
+    return begin, tl.minimum(begin + chunk, last)
 
 
 @triton.jit

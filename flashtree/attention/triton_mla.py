@@ -80,7 +80,7 @@ def latent_attention_kernel(
     last_tok = (mt * BLOCK_M + BLOCK_M - 1) // HEADS
     for phase in tl.static_range(2):
         k_begin, k_end = key_range(phase, split, 0, ctx_len, kv_len, last_tok, NUM_SPLITS,
-                                   BLOCK_N, CAUSAL, HAS_MASK)
+                                   BLOCK_N, CAUSAL)
         for start in range(k_begin, k_end, BLOCK_N):
             key = start + offs_n
             key_ok = key < k_end

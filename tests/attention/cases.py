@@ -110,10 +110,11 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, what: str) -> float:
 
 
 def run_case(backend_cls, kind: str, q_per_kv: int, head_dim: int, dtype: torch.dtype,
-             device: str, seed: int = 0, page_size: int = 4, **backend_kw) -> float:
-    """Max abs difference between `backend_cls` and SDPA on one random case; asserts it is
-    within TOLERANCE[dtype]."""
-    case = make_case(kind, q_per_kv, head_dim, dtype, device, seed, page_size)
+             device: str, seed: int = 0, page_size: int = 4, q_len: int | None = None,
+             **backend_kw) -> float:
+    """Max abs difference between `backend_cls` and SDPA on one random case (`q_len` new
+    tokens per request, or random); asserts it is within TOLERANCE[dtype]."""
+    case = make_case(kind, q_per_kv, head_dim, dtype, device, seed, page_size, q_len=q_len)
     expected = sdpa_reference(case)
     backend = backend_cls(case.cache, **backend_kw)
     backend.begin_forward(case.meta)
@@ -123,11 +124,12 @@ def run_case(backend_cls, kind: str, q_per_kv: int, head_dim: int, dtype: torch.
 
 
 def run_latent_case(backend_cls, kind: str, heads: int, v_dim: int, tail: int,
-                    dtype: torch.dtype, device: str, seed: int = 0, **backend_kw) -> float:
+                    dtype: torch.dtype, device: str, seed: int = 0, q_len: int | None = None,
+                    **backend_kw) -> float:
     """MLA's absorbed attention (`forward_latent`: one cached latent head of v_dim + tail
     columns, values its first v_dim) by `backend_cls` against SDPA on one random case of
     `kind`; asserts the max abs difference is within TOLERANCE[dtype]."""
-    base = make_case(kind, 1, 16, dtype, device, seed)
+    base = make_case(kind, 1, 16, dtype, device, seed, q_len=q_len)
     slots = base.cache.k.shape[1]
     n_tok = base.q.shape[0]
     gen = torch.Generator().manual_seed(seed)

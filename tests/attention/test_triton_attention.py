@@ -62,6 +62,16 @@ def test_query_tiles_and_small_pages():
              max_block_m=16, block_n=16)
 
 
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_every_split_streams_its_share_of_the_new_tokens(kind):
+    """A verify's 40 new tokens (three key blocks) are split over the context splits too, and
+    a causal tile stops at its last row's token (trees list parents first)."""
+    run_case(TritonBackend, kind, 2, 32, torch.float32, "cpu", seed=11, q_len=40, num_splits=3,
+             max_block_m=16, block_n=16)
+    run_latent_case(TritonBackend, kind, 4, 32, 16, torch.float32, "cpu", seed=11, q_len=40,
+                    num_splits=3, block_n=16)
+
+
 def test_automatic_splits_fill_the_gpu_but_never_outnumber_key_blocks():
     """Without a fixed count, a launch splits each context so that its programs fill the GPU
     twice (a power of two, at most 16), but into no more splits than the longest context has
