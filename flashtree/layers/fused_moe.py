@@ -76,15 +76,16 @@ def _dot_tile(acc, a_rows, a_ok, w, s, rows, rows_ok, k0, k_total, stride_wn, st
 
 
 @triton.jit
-def _block_pairs(pairs_ptr, experts_ptr, local_ptr, num_pairs, num_experts,
+def _block_pairs(pairs_ptr, experts_ptr, ids_ptr, first_expert, num_pairs, num_experts,
                  BLOCK_M: tl.constexpr, PER_PAIR: tl.constexpr):
-    # (pair ids [BLOCK_M], which are real, this block's expert; -1: nothing to do)
+    # (pair ids [BLOCK_M], which are real, this block's local expert; -1: not on this rank).
+    # PER_PAIR: a block per pair, its expert read from the router's global ids.
     block = tl.program_id(0)
     if PER_PAIR:
         pairs = block + tl.arange(0, BLOCK_M)
         rows_ok = (tl.arange(0, BLOCK_M) == 0) & (block < num_pairs)
-        expert = tl.load(local_ptr + block).to(tl.int32)
-        expert = tl.where(expert < num_experts, expert, -1)
+        expert = (tl.load(ids_ptr + block) - first_expert).to(tl.int32)
+        expert = tl.where((expert >= 0) & (expert < num_experts), expert, -1)
     else:
         pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         rows_ok = pairs < num_pairs
@@ -93,8 +94,8 @@ def _block_pairs(pairs_ptr, experts_ptr, local_ptr, num_pairs, num_experts,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, local_ptr, num_pairs,
-                    num_experts, top_k, hidden, inter, k_per_split, stride_xt, stride_we,
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, ids_ptr,
+                    first_expert, num_pairs, num_experts, top_k, hidden, inter, k_per_split, stride_xt, stride_we,
                     stride_wn, stride_se, stride_sn, stride_os, stride_ot,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
@@ -103,8 +104,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, local_
     # out[pair, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for a block of pairs;
     # with SPLIT, this split's share of the input dim: out[split, pair, n] = x . gate[e, n]
     # and out[split, pair, inter + n] = x . up[e, n], in float32.
-    pairs, rows_ok, expert = _block_pairs(pairs_ptr, experts_ptr, local_ptr, num_pairs,
-                                          num_experts, BLOCK_M, PER_PAIR)
+    pairs, rows_ok, expert = _block_pairs(pairs_ptr, experts_ptr, ids_ptr, first_expert,
+                                          num_pairs, num_experts, BLOCK_M, PER_PAIR)
     if expert < 0:
         return
     a_rows = x_ptr + (pairs // top_k) * stride_xt
@@ -147,20 +148,24 @@ def _split_activation_kernel(part_ptr, act_ptr, splits, inter, stride_ps, stride
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts_ptr, local_ptr,
-                 num_pairs, num_experts, hidden, inter, stride_at, stride_we, stride_wn,
+def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts_ptr, ids_ptr,
+                 first_expert, num_pairs, num_experts, hidden, inter, stride_at, stride_we, stride_wn,
                  stride_se, stride_sn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BO: tl.constexpr,
                  BI: tl.constexpr, PER_PAIR: tl.constexpr, PRECISION: tl.constexpr,
                  PACKED_UNPACK: tl.constexpr):
     # out[pair, n] = routing weight[pair] * (act[pair] . down[e, n]) for a block of pairs.
-    pairs, rows_ok, expert = _block_pairs(pairs_ptr, experts_ptr, local_ptr, num_pairs,
-                                          num_experts, BLOCK_M, PER_PAIR)
-    if expert < 0:
-        return
-    a_rows = act_ptr + pairs * stride_at
+    pairs, rows_ok, expert = _block_pairs(pairs_ptr, experts_ptr, ids_ptr, first_expert,
+                                          num_pairs, num_experts, BLOCK_M, PER_PAIR)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden
+    out = out_ptr + pairs[:, None] * stride_ot + cols[None, :]
+    if expert < 0:
+        if PER_PAIR:  # `out` is not zeroed first: a pair of another rank adds 0 here
+            tl.store(out, tl.zeros((BLOCK_M, BLOCK_N), out_ptr.dtype.element_ty),
+                     mask=rows_ok[:, None] & cols_ok[None, :])
+        return
+    a_rows = act_ptr + pairs * stride_at
     w = w_ptr + expert.to(tl.int64) * stride_we
     sc = s_ptr + expert.to(tl.int64) * stride_se
     dtype = out_ptr.dtype.element_ty
@@ -170,8 +175,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts
                         stride_sn, BLOCK_K, GROUP, BO, BI, PRECISION, PACKED_UNPACK)
     routing = tl.load(weights_ptr + pairs, mask=rows_ok, other=0.0)
     y = acc.to(dtype).to(tl.float32) * routing[:, None]
-    tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], y.to(dtype),
-             mask=rows_ok[:, None] & cols_ok[None, :])
+    tl.store(out, y.to(dtype), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
 class Tiles(NamedTuple):
@@ -229,20 +233,22 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     if per_pair and experts.group:
         return _int4_pair_gemvs(x, experts, weights, ids, first_expert,
                                 routed_experts or num_experts, pair_tiles or PairTiles(), shared)
-    local = ids.flatten() - first_expert
-    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    if per_pair:
-        pairs = blocks = local  # unread: each block is its pair
+    ids = ids.flatten()
+    if per_pair:  # a block per pair, which reads its expert from `ids` and writes its row
+        pairs = blocks = ids  # unread
         num_blocks = num_pairs
+        out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     else:
+        local = ids - first_expert
+        local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
         pairs, blocks = align_by_expert(local, num_experts)
         num_blocks = blocks.numel()
+        out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
     tiles = tiles or default_tiles(experts)
     block_n, block_k = tiles.block_n, tiles.block_k
     splits, k_per_split = _splits(num_pairs, num_experts, routed_experts, inter, hidden,
                                   block_n, block_k, x.device)
     act, part = _buffers(x, num_pairs, inter, splits)
-    out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 only rounds float32
     bo, bi = experts.fp8_block or (0, 0)
     common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=experts.group,
@@ -251,7 +257,7 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     w13, s13 = experts.gate_up, experts.gate_up_scale
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n), splits)](
-        x, w13, w13 if s13 is None else s13, part, pairs, blocks, local, num_pairs,
+        x, w13, w13 if s13 is None else s13, part, pairs, blocks, ids, first_expert, num_pairs,
         num_experts, top_k, hidden, inter, k_per_split, x.stride(0), w13.stride(0),
         w13.stride(1), *_strides(s13), part.stride(0), part.stride(1), SPLIT=splits > 1,
         **common)
@@ -259,7 +265,7 @@ def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tenso
     w2, s2 = experts.down, experts.down_scale
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         act, w2, w2 if s2 is None else s2, weights.flatten().contiguous(), out, pairs, blocks,
-        local, num_pairs, num_experts, hidden, inter, act.stride(0), w2.stride(0),
+        ids, first_expert, num_pairs, num_experts, hidden, inter, act.stride(0), w2.stride(0),
         w2.stride(1), *_strides(s2), out.stride(0), **common)
     routed = out.view(n, top_k, hidden).sum(dim=1)
     return routed if shared is None else routed + shared

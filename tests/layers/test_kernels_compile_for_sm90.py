@@ -157,7 +157,7 @@ def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
     weight_type = {"bf16": "bf16", "int4": "i32", "fp8": "fp8e4nv"}[weights]
     pointers = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="fp32" if split else "bf16",
                     w_ptr=weight_type, s_ptr="bf16" if weights == "int4" else "fp32",
-                    weights_ptr="fp32", pairs_ptr="i32", experts_ptr="i32", local_ptr="i64",
+                    weights_ptr="fp32", pairs_ptr="i32", experts_ptr="i32",
                     ids_ptr="i64", shared_ptr="bf16")
     return compile_sm90(getattr(module, kernel), constants, pointers, tmp_path, num_warps)
 
