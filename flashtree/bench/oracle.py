@@ -15,10 +15,14 @@ import torch
 
 from flashtree.distributed import tp_all_gather, tp_all_gather_last_dim, tp_group_active
 from flashtree.distributed.tp import TPDriverEngine
+from flashtree.graphs.rows import RowGraphs
+from flashtree.graphs.runner import batch_buckets
 from flashtree.llm import LLM
 from flashtree.speculative.policy import FixedPolicy
 from flashtree.speculative.tree import build_trees_from_topk, topk_logprobs
 from flashtree.transfer import lists_to_device, to_device
+
+GRAPHED_BATCH = 8
 
 
 def rank_targets(logits: torch.Tensor, targets: torch.Tensor, ranks: torch.Tensor,
@@ -74,6 +78,14 @@ class AcceptanceOracle:
         proposer.draft_logits = self._rewritten_draft_logits
         proposer.draft_ahead = self._rewritten_draft_ahead
         self._device_references: dict[int, torch.Tensor] = {}  # seq_id -> padded with -1
+        # Up to GRAPHED_BATCH requests the rewrite replays a CUDA graph per bucket of draft
+        # rows where the engine replays its forwards: the oracle's own ~15 small ops stay off
+        # the short steps, where they would show.
+        graphs = engine.runner.graphs
+        rows = [b * (proposer.block_size - 1) for b in batch_buckets(GRAPHED_BATCH)]
+        self._rows_graphs = RowGraphs(_rank_targets_rows, rows, torch.device(engine.args.device),
+                                      graphs is not None and graphs.use_cuda_graphs)
+        self._captured_for: set[float] = set()  # the rates whose graphs exist
 
     def _rewritten_draft_ahead(self, seq_ids: list[int], starts: list[int],
                                advance: torch.Tensor, bonus: torch.Tensor, most: int,
@@ -109,10 +121,19 @@ class AcceptanceOracle:
                                        [j for size in sizes for j in range(1, size)]], device)
         where = (first[rows] + slots).clamp(max=references.shape[1] - 1)
         ranks = oracle_ranks(rows.shape[0], self.p, self.q, self.generator)
-        sliced = not gather and tp_group_active()
+        targets = references[rows, where]
         with torch.inference_mode():  # the drafter's logits are inference tensors
-            rank_targets(logits, references[rows, where], ranks, self.p,
-                         self.engine.runner.model.lm_head.vocab_start if sliced else None)
+            if not gather and tp_group_active():  # collectives inside: not captured
+                rank_targets(logits, targets, ranks, self.p,
+                             self.engine.runner.model.lm_head.vocab_start)
+                return
+            if self.p not in self._captured_for:  # every bucket now, not on a timed step
+                self._captured_for.add(self.p)
+                for bucket in self._rows_graphs.buckets:
+                    zeros = torch.zeros(bucket, dtype=torch.long, device=device)
+                    self._rows_graphs(logits.new_zeros(bucket, logits.shape[1]), zeros, zeros,
+                                      confidence=self.p)
+            logits.copy_(self._rows_graphs(logits, targets, ranks, confidence=self.p)[0])
 
     def _device_reference(self, seq_id: int) -> torch.Tensor:
         """A running request's reference tokens on the device, padded with -1 past its end by
@@ -141,6 +162,13 @@ def plain_references(llm: LLM, prompts: list[list[int]], params) -> dict[tuple[i
         if tp:
             engine.call_on_workers(_swap_policy, None)
     return {tuple(p): list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
+
+
+def _rank_targets_rows(logits: torch.Tensor, targets: torch.Tensor, ranks: torch.Tensor, *,
+                       confidence: float) -> tuple[torch.Tensor]:
+    """`rank_targets` as `RowGraphs` replays it: on its static rows, returned."""
+    rank_targets(logits, targets, ranks, confidence)
+    return (logits,)
 
 
 def _attach_on_worker(engine, references: dict, p: float, q: float, seed: int) -> None:
