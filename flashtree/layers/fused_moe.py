@@ -95,8 +95,8 @@ def _block_pairs(pairs_ptr, experts_ptr, ids_ptr, first_expert, num_pairs, num_e
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, ids_ptr,
-                    first_expert, num_pairs, num_experts, top_k, hidden, inter, k_per_split, stride_xt, stride_we,
-                    stride_wn, stride_se, stride_sn, stride_os, stride_ot,
+                    first_expert, num_pairs, num_experts, top_k, hidden, inter, k_per_split,
+                    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_ot,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
                     PER_PAIR: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
@@ -149,11 +149,11 @@ def _split_activation_kernel(part_ptr, act_ptr, splits, inter, stride_ps, stride
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, out_ptr, pairs_ptr, experts_ptr, ids_ptr,
-                 first_expert, num_pairs, num_experts, hidden, inter, stride_at, stride_we, stride_wn,
-                 stride_se, stride_sn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BO: tl.constexpr,
-                 BI: tl.constexpr, PER_PAIR: tl.constexpr, PRECISION: tl.constexpr,
-                 PACKED_UNPACK: tl.constexpr):
+                 first_expert, num_pairs, num_experts, hidden, inter, stride_at, stride_we,
+                 stride_wn, stride_se, stride_sn, stride_ot, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                 BO: tl.constexpr, BI: tl.constexpr, PER_PAIR: tl.constexpr,
+                 PRECISION: tl.constexpr, PACKED_UNPACK: tl.constexpr):
     # out[pair, n] = routing weight[pair] * (act[pair] . down[e, n]) for a block of pairs.
     pairs, rows_ok, expert = _block_pairs(pairs_ptr, experts_ptr, ids_ptr, first_expert,
                                           num_pairs, num_experts, BLOCK_M, PER_PAIR)
