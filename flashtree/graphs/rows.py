@@ -1,11 +1,11 @@
-"""Row-wise tensor work replayed from CUDA graphs: the DDTree candidate build (top-k levels and
-the best-first tree) is ~100 small kernels whose launches, not their arithmetic, cost the
-host milliseconds per step. Every input and output has the requests as its first dimension and
-rows never read each other, so a batch runs padded to a bucket of rows: captured on the first
-call per (bucket, input shapes past the rows, static arguments; engines make those calls at
-start-up), replayed after copying the real rows in. Without CUDA graphs (CPU, eager mode) the
-function runs on the padded static buffers the same way, so the padding is exercised
-everywhere."""
+"""Row-wise tensor work replayed from CUDA graphs: the DDTree candidate build in torch ops
+(top-k levels and the best-first tree) is ~100 small kernels whose launches, not their
+arithmetic, cost the host milliseconds per step. Every input and output has the requests as
+its first dimension and rows never read each other, so a batch runs padded to a bucket of rows:
+captured on the first call per (bucket, input shapes past the rows, static arguments; engines
+make those calls at start-up), replayed after copying the real rows in. Without CUDA graphs
+(CPU, eager mode) the function runs on the padded static buffers the same way, so the padding
+is exercised everywhere."""
 
 from __future__ import annotations
 

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+# A masked token's log-probability in the levels: 15 depths of it stay finite in float32.
+IMPOSSIBLE_LOGPROB = -1.0e30
+
 
 @dataclass
 class DraftTrees:
@@ -64,6 +67,9 @@ def best_first_levels(top_lp: torch.Tensor, width: int) -> BestFirstLevels:
     """top_lp: [R, L, K] (as `build_trees_from_topk` takes) -> the best `width` prefixes per
     depth; L tensor steps, no host sync."""
     r, depth_max, k = top_lp.shape
+    # Masked tokens (-inf) become finite but far below any real key, so that a child can still
+    # be kept strictly below its parent (nothing lies below -inf).
+    top_lp = top_lp.clamp_min(IMPOSSIBLE_LOGPROB)
     keys, flat = [], []
     prev = torch.zeros(r, 1, dtype=top_lp.dtype, device=top_lp.device)  # root key
     for d in range(depth_max):
@@ -78,7 +84,7 @@ def best_first_levels(top_lp: torch.Tensor, width: int) -> BestFirstLevels:
     return BestFirstLevels(torch.stack(keys, 1), torch.stack(flat, 1))
 
 
-def _real_entries(depth: int, k: int, width: int) -> int:
+def real_entries(depth: int, k: int, width: int) -> int:
     """Prefixes that exist among the levels' entries: min(W, K^(d+1)) at depth index d."""
     total, level = 0, 1
     for _ in range(depth):
@@ -97,7 +103,7 @@ def tree_from_levels(levels: BestFirstLevels, top_tok: torch.Tensor, roots: torc
     k = top_tok.shape[-1]
     device = levels.keys.device
     total = depth_max * width
-    n_sel = min(budget, _real_entries(depth_max, k, width))
+    n_sel = min(budget, real_entries(depth_max, k, width))
     chosen = levels.keys.flatten(1).topk(n_sel, dim=-1).indices  # [R, n_sel]
     selected = torch.zeros(r, total, dtype=torch.bool, device=device)
     selected.scatter_(1, chosen, True)

@@ -1,4 +1,4 @@
-"""Run Triton kernels on CPU tensors through Triton's interpreter, with two fixes to triton
+"""Run Triton kernels on CPU tensors through Triton's interpreter, with four fixes to triton
 3.6's interpreter that the compiled kernels do not need:
 
 - scalars are 1-element arrays that it turns into ints with int(), which numpy 2.4 refuses, so
@@ -8,7 +8,9 @@
   exactly, so the fix multiplies the widened values (products are exact in float32, as in a
   bf16 MMA with float32 accumulation);
 - a float32 cast to bfloat16 truncates, where CUDA and torch round to nearest even; the fix
-  rounds."""
+  rounds;
+- a reduction whose combine function is not one of a few named ones runs element by element
+  in Python, which makes `tl.sort` (its xor_sum) take seconds; the fix reduces xor with numpy."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 _patch_lang_tensor = interpreter._patch_lang_tensor
 _create_dot = interpreter.InterpreterBuilder.create_dot
 _cast = interpreter.InterpreterBuilder.cast_impl
+_reduce = interpreter.ReduceOps.apply_impl
 
 
 def _index_scalars(tensor, scope) -> None:
@@ -55,3 +58,13 @@ def _cast_rounding(self, src, dst_type):
 
 
 interpreter.InterpreterBuilder.cast_impl = _cast_rounding
+
+
+def _reduce_xor_with_numpy(self, input):
+    if self.combine_fn != tl.standard._xor_combine:
+        return _reduce(self, input)
+    xor = np.bitwise_xor.reduce(input[0].handle.data, axis=self.axis, keepdims=self.keep_dims)
+    return self.to_tensor(xor, input[0].dtype)
+
+
+interpreter.ReduceOps.apply_impl = _reduce_xor_with_numpy

@@ -39,7 +39,7 @@ CASES = [f"moe:{k}:{w}" for k in ("_gate_up_kernel", "_down_kernel")
     "moe:_gate_up_kernel:int4-packed-split",
     "merge:all-rows", "merge:written-rows",
     "router:kimi", "router:deepseek", "attention:dense", "attention:mla",
-    "attention:mla-rank", *STREAMING]
+    "attention:mla-rank", "ddtree:63", "ddtree:511", *STREAMING]
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +269,17 @@ def fused_case(kernel: str, tmp_path: Path) -> dict:
                                       "stride_voh", "half", "v_dim"))
 
 
+def ddtree_case(budget: int, tmp_path: Path) -> dict:
+    """The one-launch DDTree build at the engine's shape: 15 depths, the top 16 tokens."""
+    from flashtree.speculative import tree_kernel
+
+    pointers = dict(lp_ptr="fp32", tok_ptr="i64", roots_ptr="i64", keys_ptr="fp32",
+                    flat_ptr="i32", order_ptr="i64", up_ptr="i32", nodes_ptr="i64",
+                    visible_ptr="u8")
+    return compile_sm90(tree_kernel._tree_kernel, tree_kernel.launch_sizes(15, 16, budget),
+                        pointers, tmp_path, tree_kernel.num_warps(budget))
+
+
 def main() -> None:
     import triton
 
@@ -290,6 +301,8 @@ def main() -> None:
                 out[case] = gemv_case(Path(tmp))
             elif kind == "fused":
                 out[case] = fused_case(rest[0], Path(tmp))
+            elif kind == "ddtree":
+                out[case] = ddtree_case(int(rest[0]), Path(tmp))
             else:
                 out[case] = attention_case(rest[0], Path(tmp))
     print(json.dumps(out))

@@ -157,6 +157,19 @@ def test_certain_drafts_keep_parents_before_children():
         assert _tree_prefixes(trees, 0)[budget] == (2,) * budget  # the chain, in order
 
 
+@pytest.mark.parametrize("budget, depth", [(30, 3), (63, 4)])
+def test_masked_drafts_never_select_a_node_without_its_parent(budget, depth):
+    """A grammar masks most tokens to -inf: with fewer possible prefixes than the budget the
+    tree takes impossible ones too, each still one level below its parent (a key kept below
+    -inf would tie with it)."""
+    from tests.speculative.tree_cases import drafts
+
+    top_lp, top_tok = drafts("masked", 3, depth, 64, 16, seed=budget + depth)
+    trees = build_trees_from_topk(top_lp, top_tok, torch.arange(3), budget)
+    child = trees.depth[:, 1:]
+    assert torch.equal(child, trees.depth.gather(1, trees.parent[:, 1:]) + 1)
+
+
 def _naive_ancestors(parents: list[int], v: int) -> set[int]:
     seen = {v}
     while v:
