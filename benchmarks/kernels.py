@@ -11,11 +11,12 @@
   gemv       the batch-1 GEMV kernel (`flashtree/layers/gemv.py`) against cuBLAS on the
              Qwen3-8B decode shapes for its candidate launch configurations, over weight copies
              larger than L2 (microseconds, weight TB/s)
+  tree       the DDTree build, the torch build and (CUDA) the one-launch kernel, graph-replayed
 
     python -m benchmarks.kernels --out benchmarks/results/DATE-kernels.md
 
-Off CUDA only SDPA runs (a check of the script). JSON keys: `mla_decode_tbps_16k_b32`,
-`flashinfer_mla_decode_tbps_16k_b32`, `mla_verify64_over_decode`."""
+Off CUDA only SDPA and the torch build run (a check of the script). JSON keys:
+`mla_decode_tbps_16k_b32`, `flashinfer_mla_decode_tbps_16k_b32`, `mla_verify64_over_decode`."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from flashtree.bench.floors import copy_bandwidth
 from flashtree.bench.results import int_list, write_results
 from flashtree.bench.shapes import SHAPES
 from flashtree.bench.timing import graph_ms, median_ms
+from flashtree.bench.tree_build import tree_build_report, tree_build_times
 from flashtree.kv.cache import KVCache, PageTables
 from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.speculative.tree import ancestor_mask
@@ -284,12 +286,12 @@ def report(res: dict, args) -> list[str]:
         lines += [f"| {r['shape']} ({r['n']}x{r['k']}) | " + " | ".join(
             f"{r[c]:.1f}, {r['n'] * r['k'] * 2 / r[c] / 1e6:.2f}" for c in names) + " |"
             for r in res["gemv"]]
-    return lines
+    return lines + tree_build_report(res["tree"]) if "tree" in res else lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", default="attention,mla,gemv")
+    ap.add_argument("--sections", default="attention,mla,gemv,tree")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--heads", type=int, default=32)
@@ -302,6 +304,7 @@ def main() -> None:
     ap.add_argument("--gemv-shapes", default="qwen3-8b", choices=sorted(GEMV_SHAPES))
     ap.add_argument("--mla-contexts", type=int_list, default=[4096, 16384, 65536])
     ap.add_argument("--mla-batches", type=int_list, default=[1, 32])
+    ap.add_argument("--budgets", type=int_list, default=[63, 255, 511], help="tree's")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", type=Path,
                     default=Path("benchmarks/results") / f"{datetime.date.today()}-kernels.md")
@@ -317,6 +320,8 @@ def main() -> None:
         res["mla"] = mla(args, device, dtype)
     if "gemv" in sections and device.type == "cuda":
         res["gemv"] = gemv(args)
+    if "tree" in sections:
+        res["tree"] = tree_build_times(device, args.batches, args.budgets, args.reps)
     keys = summary(res)
     write_results(args.out, f"Kernels on {args.device}", report(res, args), {**res, **keys},
                   ("mla_decode_tbps_16k_b32", "mla_verify64_over_decode"))

@@ -22,13 +22,9 @@ tokens/s are decode-phase rates (from a request's `--skip`-th token on).
   acceptance tokens per target forward of the default pair's spec modes on held-out prompts
 
     python -m benchmarks.speculative --sections steps,calibrate,c1,profile
-    python -m benchmarks.speculative --sections sweep --rounds 2
-    python -m benchmarks.speculative --shape qwen3-30b-a3b --sections steps --batches 1,8,32,128
-    python -m benchmarks.speculative --shape kimi-k2.6 --layout tp8 --dflash-tau 5.0 \
-        --ddtree-tau 7.0 --budgets 7,15,31,63 --sections steps,calibrate,c1,profile,verify
-    python -m benchmarks.speculative --plot benchmarks/results/DATE-speculative.json
 
-Results merge into `--out` (markdown) and the JSON beside it, section by section."""
+More commands (MoE and Kimi ranks, the sweep, plots): docs/benchmarks.md. Results merge into
+`--out` (markdown) and the JSON beside it, section by section."""
 
 from __future__ import annotations
 
@@ -204,8 +200,7 @@ class Bench:
         tokens = sum(len(s.output_ids) for s in seqs) - before
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                 "speculative_share": speculative_share(eng, budgets),
-                "policy": policy_view(eng.policy),
-                **tau_mean(accepted), "accepted": accepted,
+                "policy": policy_view(eng.policy), **tau_mean(accepted), "accepted": accepted,
                 "equal_to_plain": sum(equal) / len(equal) if all(known) else None,
                 "requests": len(prompts)}
 

@@ -1,7 +1,8 @@
-"""benchmarks/kernels.py: the whole script small on a CPU (the SDPA reference timed; Triton and
-the GEMV need CUDA), and, where triton is installed, each timed call (a paged GQA layer call,
-MLA's latent forward over a random tree) gives through the Triton kernel what it gives through
-SDPA, so the GPU run cannot drift from the backends unnoticed."""
+"""benchmarks/kernels.py: the whole script small on a CPU (the SDPA reference and the torch tree
+build timed; Triton, the GEMV and the tree kernel need CUDA), and, where triton is installed,
+each timed call (a paged GQA layer call, MLA's latent forward over a random tree) gives through
+the Triton kernel what it gives through SDPA, so the GPU run cannot drift from the backends
+unnoticed."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_kernels_run_small_on_cpu(tmp_path):
     out = tmp_path / "k.md"
     data = run_script("kernels", out, "--device", "cpu", "--mla-shape", "tiny-mla",
                       "--batches", "1,2", "--contexts", "24", "--mla-contexts", "24",
-                      "--mla-batches", "1,2", "--reps", "2")
+                      "--mla-batches", "1,2", "--budgets", "3,63", "--reps", "2")
     rows = data["attention"]
     assert [(r["mode"], r["batch"]) for r in rows] == [
         (m, b) for m in ("decode", "chain", "tree") for b in (1, 2)]
@@ -29,6 +30,10 @@ def test_kernels_run_small_on_cpu(tmp_path):
         ("decode", 1), ("decode", 2), ("verify 64", 1)]
     assert all(r["ms"] > 0 and r["tbps"] > 0 for r in mla["rows"])
     assert "gemv" not in data and data["mla_decode_tbps_16k_b32"] is None
+    tree = data["tree"]  # the torch build alone off CUDA
+    assert [(r["rows"], r["budget"]) for r in tree] == [(1, 3), (1, 63), (2, 3), (2, 63)]
+    assert all(r["torch_ms"] > 0 and "kernel_ms" not in r for r in tree)
+    assert "| 2 | 63 |" in out.read_text()
     check_goals(out, data, ("mla_decode_tbps_16k_b32", "mla_verify64_over_decode"))
 
 
