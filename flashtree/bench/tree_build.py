@@ -1,5 +1,5 @@
 """The DDTree build timed as the engine runs it, replayed through `RowGraphs` per bucket of rows:
-the torch build (`tree.build_trees_from_topk`, about a hundred small kernels) and, on CUDA, the
+the torch build (`tree.tree_nodes`, about a hundred small kernels) and, on CUDA, the
 one-launch kernel (`speculative/tree_kernel.py`) replayed alike and launched directly, on the
 same drafts (float32 logits of Qwen3's vocabulary, 15 depths, the top 16), with the share of
 rows where both build the same trees (float32 path keys tie in a few rows; there either tree is
@@ -13,14 +13,9 @@ import torch
 
 from flashtree.bench.timing import median_ms
 from flashtree.graphs.rows import RowGraphs
-from flashtree.speculative.tree import build_trees_from_topk, topk_logprobs
+from flashtree.speculative.tree import topk_logprobs, tree_nodes
 
 VOCAB, DEPTH, TOPK = 151936, 15, 16
-
-
-def _torch_nodes(top_lp, top_tok, roots, *, budget):
-    trees = build_trees_from_topk(top_lp, top_tok, roots, budget)
-    return torch.stack([trees.tokens, trees.parent, trees.depth, trees.rank], 1), trees.visible
 
 
 def _kernel_nodes(top_lp, top_tok, roots, *, budget):
@@ -41,7 +36,7 @@ def tree_build_times(device: torch.device, rows_list: list[int], budgets: list[i
         drafts = (*topk_logprobs(logits, min(TOPK, vocab)),
                   torch.zeros(rows, dtype=torch.long, device=device))
         for budget in budgets:
-            builds = {"torch": RowGraphs(_torch_nodes, [rows], device, graphs)}
+            builds = {"torch": RowGraphs(tree_nodes, [rows], device, graphs)}
             if graphs:
                 builds["kernel"] = RowGraphs(_kernel_nodes, [rows], device, graphs)
             row = {"rows": rows, "budget": budget}

@@ -11,7 +11,7 @@ from flashtree.distributed.vocab import vocab_argmax, vocab_topk_logprobs
 from flashtree.graphs.rows import RowGraphs
 from flashtree.runner.model_runner import ModelRunner
 from flashtree.sequence import Sequence
-from flashtree.speculative.tree import ancestor_mask, build_trees_from_topk, topk_logprobs
+from flashtree.speculative.tree import ancestor_mask, topk_logprobs, tree_nodes
 from flashtree.speculative.types import Candidates, DeviceCandidates
 from flashtree.structured_output import mask_logits
 from flashtree.transfer import to_device
@@ -21,9 +21,7 @@ def _tree_nodes(top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor
                 budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The best-first trees as RowGraphs replays them: ([R, 4, N] tokens, parents, depths and
     selection ranks, [R, N, N] visibility)."""
-    trees = build_trees_from_topk(top_lp, top_tok, roots, budget)
-    return (torch.stack([trees.tokens, trees.parent, trees.depth, trees.rank], dim=1),
-            trees.visible)
+    return tree_nodes(top_lp, top_tok, roots, budget=budget)
 
 
 def sample_spine_tree(

@@ -63,6 +63,15 @@ class BestFirstLevels:
     flat: torch.Tensor  # [R, L, W] int64
 
 
+def tree_nodes(top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor, *,
+               budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`build_trees_from_topk` as the engine takes trees: ([R, 4, N] tokens, parents, depths
+    and selection ranks, [R, N, N] visibility)."""
+    trees = build_trees_from_topk(top_lp, top_tok, roots, budget)
+    return (torch.stack([trees.tokens, trees.parent, trees.depth, trees.rank], dim=1),
+            trees.visible)
+
+
 def best_first_levels(top_lp: torch.Tensor, width: int) -> BestFirstLevels:
     """top_lp: [R, L, K] (as `build_trees_from_topk` takes) -> the best `width` prefixes per
     depth; L tensor steps, no host sync."""

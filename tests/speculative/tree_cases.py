@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtree.speculative.tree import ancestor_mask, build_trees_from_topk, topk_logprobs
+from flashtree.speculative.tree import ancestor_mask, topk_logprobs, tree_nodes
 
 DRAFTS = ("float32", "bf16", "uniform", "certain", "masked")
 
@@ -90,9 +90,8 @@ def reference(top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor, 
 
 def torch_build(top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor, budget: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch build as `_tree_nodes` returns it."""
-    t = build_trees_from_topk(top_lp, top_tok, roots, budget)
-    return torch.stack([t.tokens, t.parent, t.depth, t.rank], 1), t.visible
+    """The torch build as the engine takes trees."""
+    return tree_nodes(top_lp, top_tok, roots, budget=budget)
 
 
 def path_keys(nodes: torch.Tensor, top_lp: torch.Tensor, top_tok: torch.Tensor) -> list[float]:
