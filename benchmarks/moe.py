@@ -42,7 +42,7 @@ from flashtree.bench.floors import (
     local_experts_touched,
     moe_layer_bytes,
 )
-from flashtree.bench.kimi import KIMI_GOALS, fit_layer, kimi_ranks
+from flashtree.bench.kimi import KIMI_GOALS, fit_layer, kimi_ranks, kimi_report
 from flashtree.bench.profile import profile_calls
 from flashtree.bench.random_pair import fill_random, rank_share
 from flashtree.bench.results import write_results
@@ -54,6 +54,9 @@ TOKENS = (1, 8, 32, 128, 16, 64)  # the last two: a 16- and a 64-node tree verif
 TILE_CANDIDATES = {  # fused_moe.Tiles(block_n, block_k, num_warps, num_stages) for --tiles
     "dense": [(n, k, w, 3) for n in (32, 64, 128) for k in (64, 128) for w in (4, 8)],
     "int4": [(n, k, w, 3) for n in (32, 64, 128) for k in (128, 256) for w in (4, 8)],
+    # fused_moe.PairTiles(block_n, block_k, down_block_n, down_block_k, num_warps): INT4 pairs
+    "pairs": [(n, k, dn, 256, w) for n in (8, 16, 32) for k in (256, 512) for dn in (16, 32, 64)
+              for w in (2, 4)],
 }
 
 def build_layer(shape: str, device: torch.device, dtype: torch.dtype) -> SparseMoE:
@@ -103,16 +106,21 @@ def layer_rows(shape: str, args, bandwidth: float) -> dict:
 def sweep_tiles(layer: SparseMoE, dtype: torch.dtype, reps: int) -> list[dict]:
     """The routed experts alone (`fused_experts`, graph-replayed) per tile configuration and
     token count: which launch configuration to make the default for a shape."""
-    from flashtree.layers.fused_moe import Tiles, fused_experts  # CUDA: triton is there
+    from flashtree.layers.fused_moe import PER_PAIR_MAX, PairTiles, Tiles, fused_experts
 
-    rows = []
+    rows, calls = [], 8  # each replay routes 8 inputs apart, so L2 holds few of their experts
     for n in TOKENS:
-        x = torch.randn(n, layer.gate.weight.shape[1], device="cuda").to(dtype)
-        weights, ids = layer.gate(x)
+        inputs = [torch.randn(n, layer.gate.weight.shape[1], device="cuda").to(dtype)
+                  for _ in range(calls)]
+        routes = [(x, *layer.gate(x)) for x in inputs]
         row = {"tokens": n}
-        for tiles in TILE_CANDIDATES["int4" if layer.stacked.group else "dense"]:
-            run = partial(fused_experts, x, layer.stacked, weights, ids, 0, Tiles(*tiles))
-            row[",".join(map(str, tiles))] = graph_ms(run, reps)
+        pairs = layer.stacked.group and n * routes[0][2].shape[1] <= PER_PAIR_MAX
+        for tiles in TILE_CANDIDATES["pairs" if pairs else "int4" if layer.stacked.group
+                                     else "dense"]:
+            chosen = {"pair_tiles": PairTiles(*tiles)} if pairs else {"tiles": Tiles(*tiles)}
+            runs = [partial(fused_experts, *r, 0, **chosen) for r in routes]
+            ms = graph_ms(lambda runs=runs: [f() for f in runs], reps)
+            row[",".join(map(str, tiles))] = ms / calls
         rows.append(row)
         print("tiles", row, flush=True)
     return rows
@@ -134,36 +142,22 @@ def report(res: dict) -> list[str]:
                          + " |")
         if "fused_over_loop_b1" in r:
             lines += ["", f"Fused over loop at one token: {r['fused_over_loop_b1']:.2f}x."]
-        if r.get("tiles"):
-            configs = [k for k in r["tiles"][0] if k != "tokens"]
-            lines += ["", "Routed experts alone, graph-replayed, ms per tile configuration "
-                      "(block_n, block_k, warps, stages):", "",
-                      "| tokens | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
-            lines += [f"| {t['tokens']} | " + " | ".join(f"{t[c]:.3f}" for c in configs) + " |"
-                      for t in r["tiles"]]
+        for kind, commas in (("per-pair GEMV (block_n, block_k, down_block_n, down_block_k, "
+                              "warps)", 4), ("grouped tile (block_n, block_k, warps, stages)", 3)):
+            rows = [t for t in r.get("tiles", []) if max(k.count(",") for k in t) == commas]
+            configs = [k for k in rows[0] if k != "tokens"] if rows else []
+            lines += ["", f"Routed experts alone, graph-replayed, ms per {kind}:", "",
+                      "| config | " + " | ".join(f"{t['tokens']} tokens" for t in rows) + " |",
+                      "|---|" + "---|" * len(rows)] if rows else []
+            lines += [f"| {c} | " + " | ".join(f"{t[c]:.3f}" for t in rows) + " |"
+                      for c in configs]
         if r.get("profile"):
             lines += ["", "One eager forward at one token, per kernel (CPU ops off CUDA):", "",
                       "| kernel | ms | launches |", "|---|---|---|"]
             lines += [f"| `{k}` | {ms:.4f} | {n:.0f} |" for k, ms, n in r["profile"]["top"]]
         lines.append("")
-    k = res.get("kimi")
-    if k:
-        lines += ["## Kimi K2.6 per rank, and a PREDICTION for 8 GPUs", "",
-                  "Each rank ran alone in a group of one (its kernels and collectives, no wire "
-                  "time). **Predicted** tokens/s on 8 GPUs = 1 / (the rank's measured seconds "
-                  "per token + collectives per step / tokens per step x an ASSUMED all-reduce "
-                  f"latency of {k['allreduce_us']:.0f} us). Not measured.", "",
-                  "| layout | method | rank tokens/s | tokens/step | predicted tokens/s |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {lay} | {m} | {v['rank_tps']:.1f} | {v['tau']:.2f} | "
-                  f"{v['predicted_tps']:.1f} |" for lay, d in k["layouts"].items()
-                  for m, v in d["c1"].items()]
-        for lay, d in k["layouts"].items():
-            if d["ar"]:
-                lines += ["", f"{lay} rank decode step (graph-replayed) against its floor: " +
-                          ", ".join(f"batch {b} {r['ms']:.2f} ms ({r['ms'] / r['floor_ms']:.1f}x)"
-                                    for b, r in d["ar"].items()) + "."]
-        lines.append("")
+    if res.get("kimi"):
+        lines += kimi_report(res["kimi"])
     return lines
 
 

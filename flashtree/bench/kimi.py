@@ -61,3 +61,24 @@ def kimi_ranks(ranks: list[str], allreduce_us: float, moe: Path | None) -> dict:
         measured = json.loads(moe.read_text())
         out.update({k: measured[k] for k in ("moe_layer_fixed_us", "int4_expert_bw_fraction")})
     return out
+
+
+def kimi_report(k: dict) -> list[str]:
+    """The markdown of `kimi_ranks`' result."""
+    lines = ["## Kimi K2.6 per rank, and a PREDICTION for 8 GPUs", "",
+              "Each rank ran alone in a group of one (its kernels and collectives, no wire "
+              "time). **Predicted** tokens/s on 8 GPUs = 1 / (the rank's measured seconds "
+              "per token + collectives per step / tokens per step x an ASSUMED all-reduce "
+              f"latency of {k['allreduce_us']:.0f} us). Not measured.", "",
+              "| layout | method | rank tokens/s | tokens/step | predicted tokens/s |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {lay} | {m} | {v['rank_tps']:.1f} | {v['tau']:.2f} | "
+              f"{v['predicted_tps']:.1f} |" for lay, d in k["layouts"].items()
+              for m, v in d["c1"].items()]
+    for lay, d in k["layouts"].items():
+        if d["ar"]:
+            lines += ["", f"{lay} rank decode step (graph-replayed) against its floor: " +
+                      ", ".join(f"batch {b} {r['ms']:.2f} ms ({r['ms'] / r['floor_ms']:.1f}x)"
+                                for b, r in d["ar"].items()) + "."]
+    lines.append("")
+    return lines
