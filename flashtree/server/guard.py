@@ -81,8 +81,8 @@ class Guard:
             body, refusal = await self._read_body(receive)
             if body is None and refusal is None:
                 return  # the client left while sending its body
-        if refusal is not None:
-            await exchange.answer(*refusal)
+        if refusal is not None:  # the body is left unread: close rather than drain it
+            await exchange.answer(*refusal, close=True)
             return
         await exchange.run(self.app, body, receive, self.drain)
 
@@ -145,11 +145,16 @@ class _Exchange:
             self.complete = True
         await self._send(message)
 
-    async def answer(self, status: int, message: str, code: str | None = None) -> None:
+    async def answer(self, status: int, message: str, code: str | None = None,
+                     close: bool = False) -> None:
+        """OpenAI's error object; `close`: uvicorn then closes the connection after it
+        instead of reading the rest of the body to keep the connection alive."""
         body = json.dumps(error_body(status, message, code=code)).encode()
-        await self.send({"type": "http.response.start", "status": status,
-                         "headers": [(b"content-type", b"application/json"),
-                                     (b"content-length", str(len(body)).encode())]})
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        if close:
+            headers.append((b"connection", b"close"))
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
 
     async def end_stream(self, message: str, code: str) -> None:

@@ -88,6 +88,25 @@ def test_chunked_20mb_body_is_refused_before_it_is_read(keyed):
     openai_error(declared, 413)
 
 
+@pytest.mark.parametrize("framing", ["declared", "chunked"])
+def test_a_refused_body_is_not_read_the_connection_closes(keyed, framing):
+    """A client that declares (or streams) more than the limit and keeps the rest back gets
+    its 413 and the connection closed at once, instead of the server waiting to read and
+    discard the rest (up to the declared 10 GB) to keep the connection alive."""
+    host, port = keyed[0].removeprefix("http://").split(":")
+    head = {"declared": b"Content-Length: 10000000000\r\n\r\n" + b"a" * 1000,
+            "chunked": b"Transfer-Encoding: chunked\r\n\r\n"
+                       + f"{LIMIT + 1:x}\r\n".encode() + b"a" * (LIMIT + 1) + b"\r\n"}
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                  + KEY.encode() + b"\r\n" + head[framing])
+        raw = b""
+        while chunk := s.recv(4096):  # a server that keeps the connection times out here
+            raw += chunk
+    assert raw.startswith(b"HTTP/1.1 413 "), raw
+    assert b"connection: close" in raw.lower(), raw
+
+
 def test_unparsable_content_length_gets_an_openai_error(keyed):
     host, port = keyed[0].removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
