@@ -73,6 +73,7 @@ def _bounded_float(allowed: str, ok: Callable[[float], bool]) -> Callable[[str],
 _positive_gib = _bounded_float("a size in GiB > 0", lambda x: 0 < x < math.inf)
 _fraction = _bounded_float("in (0, 1]", lambda x: 0 < x <= 1)
 _seconds = _bounded_float("a number of seconds >= 0", lambda x: 0 <= x < math.inf)
+_positive_seconds = _bounded_float("a number of seconds > 0", lambda x: 0 < x < math.inf)
 
 
 def serve_threads(threads: int | None) -> int:
@@ -161,6 +162,9 @@ def _add_serve_http_args(serve: argparse.ArgumentParser) -> None:
                        help="model name clients send (default: the model argument)")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20,
                        help="largest request body, chunked or not (413 above it)")
+    serve.add_argument("--client-timeout", type=_positive_seconds, default=30.0,
+                       help="seconds a request's head, then its body, may take to arrive "
+                            "(408 and the connection closed after)")
     serve.add_argument("--max-tokens-limit", type=int, default=4096,
                        help="largest max_tokens a request may ask for")
 
@@ -284,7 +288,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServerConfig(model_name=args.served_model_name or args.model, api_key=api_key,
                        max_request_bytes=args.max_request_bytes,
                        max_tokens_limit=args.max_tokens_limit,
-                       shutdown_timeout=args.shutdown_timeout, enable_docs=args.enable_docs)
+                       shutdown_timeout=args.shutdown_timeout, enable_docs=args.enable_docs,
+                       client_timeout=args.client_timeout)
     state = ServerState()
 
     def make_llm():

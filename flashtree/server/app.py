@@ -13,7 +13,8 @@ from fastapi import FastAPI
 
 from flashtree.engine.async_engine import AsyncEngine
 from flashtree.server.error_handlers import add_error_handlers
-from flashtree.server.guard import Guard, OpenAIErrorsProtocol
+from flashtree.server.guard import Guard
+from flashtree.server.http_protocol import protocol_with_timeout
 from flashtree.server.routes import Routes
 from flashtree.server.state import ServerConfig, ServerState
 
@@ -48,7 +49,7 @@ class DrainingServer(uvicorn.Server):
 def make_server(cfg: ServerConfig, state: ServerState, host: str, port: int) -> DrainingServer:
     """The HTTP server `flashtree serve` runs: SIGTERM drains for `cfg.shutdown_timeout`."""
     config = uvicorn.Config(build_app(cfg, state), host=host, port=port, log_level="info",
-                            http=OpenAIErrorsProtocol,
+                            http=protocol_with_timeout(cfg.client_timeout),
                             timeout_graceful_shutdown=cfg.shutdown_timeout + UVICORN_GRACE)
     return DrainingServer(config, state, cfg.shutdown_timeout)
 
@@ -59,7 +60,7 @@ def build_app(cfg: ServerConfig, state: ServerState) -> FastAPI:
                   redoc_url="/redoc" if docs else None,
                   openapi_url="/openapi.json" if docs else None)
     app.add_middleware(Guard, max_request_bytes=cfg.max_request_bytes, api_key=cfg.api_key,
-                       drain=state.drain)
+                       drain=state.drain, client_timeout=cfg.client_timeout)
     add_error_handlers(app)
     Routes(cfg, state).add_to(app)
     return app

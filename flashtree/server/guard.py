@@ -2,7 +2,7 @@
 bounds the request body while it streams in, gives every answer a request id, cancels a request
 whose client left or that outlived the shutdown drain, and answers any unexpected error with
 OpenAI's error object (the traceback goes to the log under the request id, never to the client).
-Also the API key's sources and uvicorn's answer to requests it cannot parse."""
+Also the API key's sources."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import stat
 import sys
 import uuid
 from collections.abc import Mapping
-
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from flashtree.server.errors import error_body, internal_error_message, log
 
@@ -67,9 +65,9 @@ class Guard:
     then never sees an exception). `drain` expires when the shutdown drain runs out."""
 
     def __init__(self, app, max_request_bytes: int, api_key: str | None,
-                 drain: DrainDeadline) -> None:
+                 drain: DrainDeadline, client_timeout: float) -> None:
         self.app, self.max_request_bytes = app, max_request_bytes
-        self.api_key, self.drain = api_key, drain
+        self.api_key, self.drain, self.client_timeout = api_key, drain, client_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -78,7 +76,13 @@ class Guard:
         exchange = _Exchange(scope, send)
         refusal = self._refusal(scope)
         if refusal is None:
-            body, refusal = await self._read_body(receive)
+            try:
+                body, refusal = await asyncio.wait_for(self._read_body(receive),
+                                                       self.client_timeout)
+            except asyncio.TimeoutError:
+                body, refusal = None, (408, f"the request body did not arrive within "
+                                            f"{self.client_timeout:g} s (the server's "
+                                            "--client-timeout)", "request_timeout")
             if body is None and refusal is None:
                 return  # the client left while sending its body
         if refusal is not None:  # the body is left unread: close rather than drain it
@@ -233,19 +237,6 @@ class _Exchange:
             await self.answer(500, message, "internal_error")
         elif self.streaming and not self.complete:
             await self.end_stream(message, "internal_error")
-
-
-class OpenAIErrorsProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-    """uvicorn's HTTP protocol, answering a request it cannot parse (`Content-Length: abc`,
-    broken chunked framing) with OpenAI's error object instead of plain text."""
-
-    def send_400_response(self, msg: str) -> None:
-        body = json.dumps(error_body(400, "the request is not valid HTTP/1.1 (check its "
-                                          "Content-Length and framing)", code="bad_http")).encode()
-        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\nconnection: close\r\n\r\n%s"
-                             % (len(body), body))
-        self.transport.close()
 
 
 def read_api_key(flag: str | None, path: str | None, environ: Mapping[str, str]) -> str | None:

@@ -19,6 +19,7 @@ class ServerConfig:
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     shutdown_timeout: float = 75.0  # seconds SIGTERM waits for running requests (the drain)
     enable_docs: bool = False  # serve /docs, /redoc and /openapi.json
+    client_timeout: float = 30.0  # seconds a request's head, then its body, may take to arrive
 
 
 @dataclass

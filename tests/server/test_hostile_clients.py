@@ -18,6 +18,7 @@ from tests.server.launch import LONG_RUN, cmdline, long_context
 
 KEY = "file-key-0123456789"
 LIMIT = 20_000  # --max-request-bytes
+CLIENT_TIMEOUT = 3.0  # --client-timeout
 ABORTED = 'flashtree:request_success_total{finished_reason="abort"}'
 LENGTH = 'flashtree:request_success_total{finished_reason="length"}'
 KV = "flashtree:kv_cache_usage_perc"
@@ -33,8 +34,8 @@ def keyed(tiny_chat_model, tmp_path_factory):
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o600)
     model = long_context(tiny_chat_model[0], root / "model")
-    base, proc = serve(model, root / "server.log", *LONG_RUN,
-                       "--max-request-bytes", str(LIMIT), "--api-key-file", str(key_file))
+    base, proc = serve(model, root / "server.log", *LONG_RUN, "--max-request-bytes", str(LIMIT),
+                       "--api-key-file", str(key_file), "--client-timeout", str(CLIENT_TIMEOUT))
     yield base, proc
     stop_servers([proc])
 
@@ -107,18 +108,57 @@ def test_a_refused_body_is_not_read_the_connection_closes(keyed, framing):
     assert b"connection: close" in raw.lower(), raw
 
 
-def test_unparsable_content_length_gets_an_openai_error(keyed):
-    host, port = keyed[0].removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
-        raw = b""
-        while chunk := s.recv(4096):
+def _raw_exchange(base: str, sent: bytes, then: bytes = b"") -> tuple[bytes, float]:
+    """Send `sent`; after the first answer's bytes, send `then`; read until the server closes.
+    -> (everything read, seconds from the last send to the close)."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=4 * CLIENT_TIMEOUT) as s:
+        s.sendall(sent)
+        raw = s.recv(65536) if then else b""
+        s.sendall(then)
+        start = time.monotonic()
+        while chunk := s.recv(4096):  # a server that never closes times out here
             raw += chunk
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400 "), raw
-    response = httpx.Response(400, headers=[tuple(line.split(b": ", 1))
-                                            for line in head.split(b"\r\n")[1:]], content=body)
-    openai_error(response, 400)
+    return raw, time.monotonic() - start
+
+
+def _error_answer(raw: bytes, status: int) -> dict:
+    """The OpenAI error object of the last answer in `raw` (answers in a row, each with its
+    Content-Length)."""
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        headers = [tuple(line.split(b": ", 1)) for line in head.split(b"\r\n")[1:]]
+        length = int(dict((k.lower(), v) for k, v in headers)[b"content-length"])
+        body, raw = rest[:length], rest[length:]
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()), head
+    return openai_error(httpx.Response(status, content=body, headers=headers), status)
+
+
+def test_unparsable_content_length_gets_an_openai_error(keyed):
+    raw, _ = _raw_exchange(keyed[0], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                     b"Content-Length: abc\r\n\r\n")
+    _error_answer(raw, 400)
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+POST = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+        + b"\r\nContent-Type: application/json\r\n")
+
+
+@pytest.mark.parametrize("sent, then", [
+    (b"", b""),  # a connection that sends nothing
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", b""),  # a head that never ends
+    (POST + b"Content-Length: 100\r\n\r\n{", b""),  # a body that never ends
+    (HEALTH, b"GET /health HTTP/1.1\r\n"),  # kept alive, then a head that never ends
+], ids=["silent", "slow-head", "slow-body", "slow-second-head"])
+def test_slow_clients_get_a_408_and_lose_the_connection(keyed, sent, then):
+    """uvicorn alone waits for a head (or the Guard for a body) forever: a few hundred such
+    connections would hold every file descriptor. Here each is answered within the client
+    timeout, not before it, while other requests are served."""
+    raw, waited = _raw_exchange(keyed[0], sent, then)
+    assert CLIENT_TIMEOUT - 0.5 <= waited <= CLIENT_TIMEOUT + 2, waited
+    assert "--client-timeout" in _error_answer(raw, 408)["message"]
+    assert httpx.get(f"{keyed[0]}/health").status_code == 200
 
 
 def test_request_id_is_the_clients_or_a_fresh_one(keyed):
