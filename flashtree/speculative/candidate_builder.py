@@ -20,7 +20,12 @@ from flashtree.transfer import to_device
 def _tree_nodes(top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor, *,
                 budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The best-first trees as RowGraphs replays them: ([R, 4, N] tokens, parents, depths and
-    selection ranks, [R, N, N] visibility)."""
+    selection ranks, [R, N, N] visibility). On CUDA one Triton launch builds them; the torch
+    build elsewhere (the same trees up to ties)."""
+    if top_lp.is_cuda:
+        from flashtree.speculative.tree_kernel import build_trees_in_one_launch  # needs triton
+
+        return build_trees_in_one_launch(top_lp, top_tok, roots, budget)
     return tree_nodes(top_lp, top_tok, roots, budget=budget)
 
 
@@ -55,8 +60,8 @@ class CandidateBuilder:
         lm_head = runner.model.lm_head
         self._vocab_start, self._vocab_size = lm_head.vocab_start, lm_head.vocab_size
         self._topk = min(cfg.tree_budget, self._vocab_size, cfg.topk_cap or DEFAULT_TOPK_CAP)
-        # The DDTree build (~100 small kernels) replays CUDA graphs per batch bucket where the
-        # target's forwards do.
+        # The DDTree build replays CUDA graphs per batch bucket where the target's forwards do
+        # (on CUDA one kernel, which replays sooner than it launches directly).
         graphs = runner.graphs
         use_graphs = graphs is not None and graphs.use_cuda_graphs
         buckets = graphs.batch_buckets if graphs is not None else []

@@ -65,3 +65,16 @@ def test_a_captured_build_replays_the_trees_of_new_drafts(budget):
         graph.replay()
         for got, want in zip(outputs, build_trees_in_one_launch(*drafts, budget)):
             assert torch.equal(got, want), seed
+
+
+def test_the_engines_replayed_build_is_the_kernels():
+    from flashtree.graphs.rows import RowGraphs
+    from flashtree.speculative.candidate_builder import _tree_nodes
+
+    rows = RowGraphs(_tree_nodes, [8, 16], DEVICE, use_cuda_graphs=True)
+    for seed in (3, 4):
+        drafts = engine_drafts(5, torch.float32, seed)
+        got = rows(*drafts, budget=63)
+        want = build_trees_in_one_launch(*drafts, 63)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), seed
