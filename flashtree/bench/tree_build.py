@@ -18,17 +18,13 @@ from flashtree.speculative.tree import topk_logprobs, tree_nodes
 VOCAB, DEPTH, TOPK = 151936, 15, 16
 
 
-def _kernel_nodes(top_lp, top_tok, roots, *, budget):
-    from flashtree.speculative.tree_kernel import build_trees_in_one_launch
-
-    return build_trees_in_one_launch(top_lp, top_tok, roots, budget)
-
-
 def tree_build_times(device: torch.device, rows_list: list[int], budgets: list[int], reps: int,
                      vocab: int = VOCAB) -> list[dict]:
     """Per (rows, budget): ms of the torch build replayed, and on CUDA of the kernel replayed
     and launched directly, with the share of rows whose trees are equal."""
     graphs = device.type == "cuda"
+    if graphs:
+        from flashtree.speculative.tree_kernel import build_trees_in_one_launch  # needs triton
     out = []
     for rows in rows_list:
         gen = torch.Generator(device).manual_seed(rows)
@@ -38,14 +34,14 @@ def tree_build_times(device: torch.device, rows_list: list[int], budgets: list[i
         for budget in budgets:
             builds = {"torch": RowGraphs(tree_nodes, [rows], device, graphs)}
             if graphs:
-                builds["kernel"] = RowGraphs(_kernel_nodes, [rows], device, graphs)
+                builds["kernel"] = RowGraphs(build_trees_in_one_launch, [rows], device, graphs)
             row = {"rows": rows, "budget": budget}
             for name, build in builds.items():
                 row[f"{name}_ms"] = median_ms(partial(build, *drafts, budget=budget), device,
                                               reps)
             if graphs:
                 row["kernel_direct_ms"] = median_ms(
-                    partial(_kernel_nodes, *drafts, budget=budget), device, reps)
+                    partial(build_trees_in_one_launch, *drafts, budget=budget), device, reps)
                 (a, va), (b, vb) = (build(*drafts, budget=budget) for build in builds.values())
                 same = (a == b).flatten(1).all(1) & (va == vb).flatten(1).all(1)
                 row["rows_equal"] = same.float().mean().item()

@@ -21,7 +21,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip(TRITON_MISSING, allow_module_level=True)
 
 import tests.attention.interpreter  # noqa: E402, F401  (before triton is used)
-from flashtree.speculative.tree import real_entries  # noqa: E402
+from flashtree.speculative.tree import real_entries, tree_nodes  # noqa: E402
 from flashtree.speculative.tree_kernel import (  # noqa: E402
     build_trees_in_one_launch,
     launch_tree_kernel,
@@ -32,7 +32,6 @@ from tests.speculative.tree_cases import (  # noqa: E402
     check_tree,
     drafts,
     reference,
-    torch_build,
 )
 
 
@@ -117,7 +116,7 @@ def test_certain_drafts_keep_parents_before_children(budget, depth, vocab):
         assert torch.equal(tokens[by_rank[1:]], top_tok[i, :chain, 0])
         assert torch.equal(parents[by_rank[1:]], by_rank[:-1])
     if budget <= depth:  # a chain: no choice among ties
-        assert torch.equal(nodes, torch_build(top_lp, top_tok, roots, budget)[0])
+        assert torch.equal(nodes, tree_nodes(top_lp, top_tok, roots, budget=budget)[0])
 
 
 @pytest.mark.parametrize("budget, depth", [(30, 3), (63, 4), (63, 15)])

@@ -88,12 +88,6 @@ def reference(top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor, 
     return torch.stack([n for n, _ in rows]), [t for _, t in rows]
 
 
-def torch_build(top_lp: torch.Tensor, top_tok: torch.Tensor, roots: torch.Tensor, budget: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch build as the engine takes trees."""
-    return tree_nodes(top_lp, top_tok, roots, budget=budget)
-
-
 def path_keys(nodes: torch.Tensor, top_lp: torch.Tensor, top_tok: torch.Tensor) -> list[float]:
     """One row's node keys (root 0): the float32 sum of its path's log-probabilities, from the
     root down. nodes [4, N]; top_lp, top_tok [L, K]."""
@@ -141,7 +135,7 @@ def check_against_torch(nodes: torch.Tensor, visible: torch.Tensor, top_lp: torc
     want, tied = reference(top_lp, top_tok, roots, budget)
     assert torch.equal(nodes.cpu(), want)
     keys = check_tree(nodes, visible, top_lp, top_tok, roots)
-    torch_nodes, torch_visible = torch_build(top_lp, top_tok, roots, budget)
+    torch_nodes, torch_visible = tree_nodes(top_lp, top_tok, roots, budget=budget)
     torch_keys = check_tree(torch_nodes, torch_visible, top_lp, top_tok, roots)
     assert [sorted(k) for k in keys] == [sorted(k) for k in torch_keys]
     for i in (i for i, t in enumerate(tied) if not t):
