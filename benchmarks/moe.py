@@ -55,8 +55,8 @@ TILE_CANDIDATES = {  # fused_moe.Tiles(block_n, block_k, num_warps, num_stages) 
     "dense": [(n, k, w, 3) for n in (32, 64, 128) for k in (64, 128) for w in (4, 8)],
     "int4": [(n, k, w, 3) for n in (32, 64, 128) for k in (128, 256) for w in (4, 8)],
     # fused_moe.PairTiles(block_n, block_k, down_block_n, down_block_k, num_warps): INT4 pairs
-    "pairs": [(n, k, dn, 256, w) for n in (8, 16, 32) for k in (256, 512) for dn in (16, 32, 64)
-              for w in (2, 4)],
+    "pairs": [(n, k, dn, 256, w) for n in (8, 16, 32) for k in (256, 512) for dn in (8, 16, 32)
+              for w in (4, 8)],
 }
 
 def build_layer(shape: str, device: torch.device, dtype: torch.dtype) -> SparseMoE:
@@ -112,13 +112,14 @@ def sweep_tiles(layer: SparseMoE, dtype: torch.dtype, reps: int) -> list[dict]:
     for n in TOKENS:
         inputs = [torch.randn(n, layer.gate.weight.shape[1], device="cuda").to(dtype)
                   for _ in range(calls)]
-        routes = [(x, *layer.gate(x)) for x in inputs]
+        routes = [(x, layer.stacked, *layer.gate(x)) for x in inputs]
         row = {"tokens": n}
-        pairs = layer.stacked.group and n * routes[0][2].shape[1] <= PER_PAIR_MAX
+        pairs = layer.stacked.group and n * routes[0][3].shape[1] <= PER_PAIR_MAX
         for tiles in TILE_CANDIDATES["pairs" if pairs else "int4" if layer.stacked.group
                                      else "dense"]:
             chosen = {"pair_tiles": PairTiles(*tiles)} if pairs else {"tiles": Tiles(*tiles)}
-            runs = [partial(fused_experts, *r, 0, **chosen) for r in routes]
+            runs = [partial(fused_experts, *r, layer.first_expert,
+                            routed_experts=layer.gate.cfg.num_experts, **chosen) for r in routes]
             ms = graph_ms(lambda runs=runs: [f() for f in runs], reps)
             row[",".join(map(str, tiles))] = ms / calls
         rows.append(row)

@@ -192,7 +192,7 @@ class PairTiles(NamedTuple):
 
     block_n: int = 16  # gate/up columns a program streams (each twice: gate's and up's rows)
     block_k: int = 512
-    down_block_n: int = 32
+    down_block_n: int = 8  # a down program's tile: all top_k slots x down_block_n x block_k / 8
     down_block_k: int = 256
     num_warps: int = 4
 
@@ -305,8 +305,9 @@ def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Te
         act, w2, s2, weights, x if shared is None else shared, out, ids, first_expert,
         num_experts, top_k, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
         *_strides(s2), 0 if shared is None else shared.stride(0), out.stride(0),
-        BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, GROUP=experts.group,
-        HAS_SHARED=shared is not None, num_warps=tiles.num_warps)
+        TOP_K=triton.next_power_of_2(top_k), BLOCK_N=tiles.down_block_n,
+        BLOCK_K=tiles.down_block_k, GROUP=experts.group, HAS_SHARED=shared is not None,
+        EVEN_K=inter % tiles.down_block_k == 0, num_warps=tiles.num_warps)
     return out
 
 

@@ -87,28 +87,41 @@ def pair_gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, first_expert, num
 def token_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, shared_ptr, out_ptr, ids_ptr,
                       first_expert, num_experts, top_k, hidden, inter, stride_at, stride_we,
                       stride_wn, stride_se, stride_sn, stride_st, stride_ot,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                      HAS_SHARED: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP: tl.constexpr, HAS_SHARED: tl.constexpr, EVEN_K: tl.constexpr):
     # out[t, n] = sum over t's pairs on this rank of routing weight * (act[pair] . down[e, n]),
     # each pair's term rounded as the eager path rounds it, plus shared[t, n] where given.
+    # All top_k slots (TOP_K, its power of two) are one [TOP_K, BLOCK_N, BLOCK_K / 8] tile, so
+    # every slot's weights are in flight at once; a slot on another rank loads and adds nothing.
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden
     dtype = out_ptr.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(top_k):
-        pair = t * top_k + slot
-        expert = (tl.load(ids_ptr + pair) - first_expert).to(tl.int32)
-        if (expert >= 0) & (expert < num_experts):
-            w = w_ptr + expert.to(tl.int64) * stride_we
-            sc = s_ptr + expert.to(tl.int64) * stride_se
-            acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-            for k0 in range(0, inter, BLOCK_K):
-                acc = _int4_gemv_tile(acc, act_ptr + pair * stride_at, w, sc, cols, cols_ok,
-                                      k0, inter, stride_wn, stride_sn, BLOCK_K, GROUP)
-            term = tl.sum(acc, 1).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)
-            total += term.to(dtype).to(tl.float32)
-    y = total.to(dtype)
+    slot = tl.arange(0, TOP_K)
+    pair = t * top_k + slot
+    expert = (tl.load(ids_ptr + pair, mask=slot < top_k, other=-1) - first_expert).to(tl.int32)
+    mine = (expert >= 0) & (expert < num_experts)
+    w_slot = w_ptr + tl.where(mine, expert, 0).to(tl.int64) * stride_we
+    s_slot = s_ptr + tl.where(mine, expert, 0).to(tl.int64) * stride_se
+    acc = tl.zeros((TOP_K, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        kw_ok = (kw < inter // 8) | EVEN_K  # EVEN_K: no mask, so words load 16 bytes at a time
+        ok = mine[:, None, None] & cols_ok[None, :, None] & kw_ok[None, None, :]
+        words = tl.load(w_slot[:, None, None] + cols[None, :, None] * stride_wn
+                        + kw[None, None, :], mask=ok, other=0)
+        scale = tl.load(s_slot[:, None, None] + cols[None, :, None] * stride_sn
+                        + (kw[None, None, :] * 8) // GROUP, mask=ok, other=0.0).to(tl.float32)
+        word_sum = tl.zeros(acc.shape, dtype=tl.float32)
+        for j in tl.static_range(8):
+            a = tl.load(act_ptr + pair[:, None] * stride_at + kw[None, :] * 8 + j,
+                        mask=mine[:, None] & kw_ok[None, :], other=0.0).to(tl.float32)
+            bits = ((words >> (4 * j)) & 0xF) | _MAGIC
+            word_sum += (bits.to(tl.float32, bitcast=True) - _MAGIC_PLUS_ZERO) * a[:, None, :]
+        acc += word_sum * scale
+    routing = tl.load(weights_ptr + pair, mask=mine, other=0.0)
+    term = (tl.sum(acc, 2).to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
+    y = tl.sum(term.to(tl.float32), 0).to(dtype)  # another rank's slot: its masked loads give 0
     if HAS_SHARED:
         shared = tl.load(shared_ptr + t * stride_st + cols, mask=cols_ok, other=0.0)
         y = (y.to(tl.float32) + shared.to(tl.float32)).to(dtype)

@@ -144,7 +144,7 @@ def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
         constants = dict(GROUP=group, BLOCK_N=pair.down_block_n if down else pair.block_n,
                          BLOCK_K=pair.down_block_k if down else pair.block_k)
         if down:
-            constants["HAS_SHARED"] = True
+            constants.update(HAS_SHARED=True, TOP_K=8, EVEN_K=True)  # Kimi's and Qwen3-MoE's top_k
         num_warps, module = pair.num_warps, moe_gemv
     else:
         tiles = fused_moe.default_tiles(StackedExperts(dummy, dummy, group=group, fp8_block=fp8))
