@@ -112,13 +112,14 @@ class Scratch:
         self.llm, self.pages, self.ids = llm, llm.engine.pages, []
 
     def take(self, count: int, committed: int, extra: int) -> list[int]:
-        """`count` requests with `committed` tokens of (scratch) KV and room for `extra` more."""
+        """`count` requests with `committed` tokens of (scratch) KV and room for `extra` more.
+        Where the pool runs out (OutOfPages), the pages taken so far still go back on exit."""
         ids = [next(_SCRATCH_IDS) for _ in range(count)]
         for sid in ids:
+            self.ids.append(sid)
             self.pages.reserve(sid, committed)
             self.pages.set_length(sid, committed)  # (frees pages past `committed`)
             self.pages.reserve(sid, committed + extra)
-        self.ids += ids
         return ids
 
     def __enter__(self) -> Scratch:

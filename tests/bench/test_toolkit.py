@@ -85,6 +85,18 @@ def test_step_ms_refuses_an_eager_step_where_graphs_are_captured(tiny_llm, monke
             step_ms(tiny_llm, s.decode(1, 16), reps=2, warmup=1)
 
 
+def test_scratch_gives_back_the_pages_of_a_batch_the_pool_could_not_hold(tiny_llm):
+    """A batch too big for the KV pool raises OutOfPages part way (the benchmark then skips
+    that batch); the requests reserved before it must not keep their pages."""
+    from flashtree.kv.cache import OutOfPages
+
+    pages = tiny_llm.engine.pages
+    free = pages.num_free
+    with Scratch(tiny_llm) as s, pytest.raises(OutOfPages):
+        s.take(free, 200, 1)  # ~13 pages each: the pool holds a few of them
+    assert pages.num_free == free
+
+
 class _Graph:
     """Stands in for a captured CUDA graph (CPU): replaying it runs nothing."""
 
