@@ -30,6 +30,20 @@ def silu_mul(gate, up, dtype):
 
 
 @triton.jit
+def _int4_products(words, scale, a_ptrs, a_ok):
+    # words [..., N, KW] of INT4 W (eight to an int32, lowest bits first, value + 8) times the
+    # activations at a_ptrs [..., KW] + j for each word's nibble j (the same for all N rows),
+    # summed over j, times the scales.
+    word_sum = tl.zeros(words.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        a = tl.load(a_ptrs + j, mask=a_ok, other=0.0).to(tl.float32)
+        bits = ((words >> (4 * j)) & 0xF) | _MAGIC
+        word_sum += ((bits.to(tl.float32, bitcast=True) - _MAGIC_PLUS_ZERO)
+                     * tl.expand_dims(a, len(a.shape) - 1))
+    return word_sum * scale
+
+
+@triton.jit
 def _int4_gemv_tile(acc, a_row, w, s, rows, rows_ok, k0, k_total, stride_wn, stride_sn,
                     BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
     # acc [rows, BLOCK_K / 8] + the products of a[k0:k0+BLOCK_K] and W[rows, same k], W INT4
@@ -41,12 +55,7 @@ def _int4_gemv_tile(acc, a_row, w, s, rows, rows_ok, k0, k_total, stride_wn, str
     words = tl.load(w + rows[:, None] * stride_wn + kw[None, :], mask=w_ok, other=0)
     scale = tl.load(s + rows[:, None] * stride_sn + (kw[None, :] * 8) // GROUP, mask=w_ok,
                     other=0.0).to(tl.float32)
-    word_sum = tl.zeros(acc.shape, dtype=tl.float32)
-    for j in tl.static_range(8):
-        a = tl.load(a_row + kw * 8 + j, mask=kw_ok, other=0.0).to(tl.float32)
-        bits = ((words >> (4 * j)) & 0xF) | _MAGIC
-        word_sum += (bits.to(tl.float32, bitcast=True) - _MAGIC_PLUS_ZERO) * a[None, :]
-    return acc + word_sum * scale
+    return acc + _int4_products(words, scale, a_row + kw * 8, kw_ok)
 
 
 @triton.jit
@@ -112,13 +121,8 @@ def token_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, shared_ptr, out_ptr, i
                         + kw[None, None, :], mask=ok, other=0)
         scale = tl.load(s_slot[:, None, None] + cols[None, :, None] * stride_sn
                         + (kw[None, None, :] * 8) // GROUP, mask=ok, other=0.0).to(tl.float32)
-        word_sum = tl.zeros(acc.shape, dtype=tl.float32)
-        for j in tl.static_range(8):
-            a = tl.load(act_ptr + pair[:, None] * stride_at + kw[None, :] * 8 + j,
-                        mask=mine[:, None] & kw_ok[None, :], other=0.0).to(tl.float32)
-            bits = ((words >> (4 * j)) & 0xF) | _MAGIC
-            word_sum += (bits.to(tl.float32, bitcast=True) - _MAGIC_PLUS_ZERO) * a[:, None, :]
-        acc += word_sum * scale
+        acc += _int4_products(words, scale, act_ptr + pair[:, None] * stride_at + kw[None, :] * 8,
+                              mine[:, None] & kw_ok[None, :])
     routing = tl.load(weights_ptr + pair, mask=mine, other=0.0)
     term = (tl.sum(acc, 2).to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
     y = tl.sum(term.to(tl.float32), 0).to(dtype)  # another rank's slot: its masked loads give 0
