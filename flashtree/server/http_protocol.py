@@ -5,6 +5,7 @@ itself waits for a head forever, so slow or silent clients could hold every conn
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -23,6 +24,7 @@ class OpenAIErrorsProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
     connection's start and again after each response (set by `protocol_with_timeout`)."""
 
     head_timeout = 30.0
+    _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -32,10 +34,17 @@ class OpenAIErrorsProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         super().on_response_complete()
         self._arm_head_deadline()
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:  # a closed connection's protocol is freed now
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
     def _arm_head_deadline(self) -> None:
         # uvicorn makes a new `cycle` for every request head it has parsed whole.
-        waiting_after = self.cycle
-        self.loop.call_later(self.head_timeout, self._head_deadline, waiting_after)
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.head_timeout, self._head_deadline,
+                                                self.cycle)
 
     def _head_deadline(self, waiting_after) -> None:
         if self.cycle is waiting_after and not self.transport.is_closing():
