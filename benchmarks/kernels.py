@@ -11,6 +11,8 @@
   gemv       the batch-1 GEMV kernel (`flashtree/layers/gemv.py`) against cuBLAS on the
              Qwen3-8B decode shapes for its candidate launch configurations, over weight copies
              larger than L2 (microseconds, weight TB/s)
+  router     a float32 router (Kimi K2.6's, 384 x 7168) against 1 to 64 rows: cuBLAS's float32
+             GEMM against the GEMV kernels (`gemv_rows`, which the engine takes up to ROWS_MAX)
   tree       the DDTree build, the torch build and (CUDA) the one-launch kernel, graph-replayed
 
     python -m benchmarks.kernels --out benchmarks/results/DATE-kernels.md
@@ -227,6 +229,27 @@ def gemv(args) -> list[dict]:
     return rows
 
 
+@torch.inference_mode()
+def router_rows(args) -> list[dict]:
+    """`F.linear(x.float(), w)` (cuBLAS) against `gemv` (one row) and `gemv_rows` (more) for
+    Kimi K2.6's router, microseconds per call over 20 routers (more than L2 holds)."""
+    from flashtree.layers.gemv import gemv, gemv_rows
+
+    weights = [torch.randn(384, 7168, device="cuda") / 7168**0.5 for _ in range(20)]
+    rows = []
+    for m in (1, 2, 4, 8, 9, 16, 32, 64):
+        x = torch.randn(m, 7168, device="cuda").to(torch.bfloat16)
+        kernel = gemv if m == 1 else lambda x, w: gemv_rows(x, w, rows_max=64)
+        row = {"rows": m}
+        for name, fn in (("cublas_us", lambda x, w: F.linear(x.float(), w)), ("kernel_us", kernel)):
+            run = lambda fn=fn, x=x: [fn(x, w) for w in weights]  # noqa: E731
+            row[name] = graph_ms(run, args.reps) * 1e3 / len(weights)
+        row["kernel_tbps"] = 384 * 7168 * 4 / row["kernel_us"] / 1e6
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def summary(res: dict) -> dict:
     keys, rows = {}, {(r["step"], r["ctx"], r["batch"]): r for r in res.get("mla", {})
                       .get("rows", [])}
@@ -286,12 +309,17 @@ def report(res: dict, args) -> list[str]:
         lines += [f"| {r['shape']} ({r['n']}x{r['k']}) | " + " | ".join(
             f"{r[c]:.1f}, {r['n'] * r['k'] * 2 / r[c] / 1e6:.2f}" for c in names) + " |"
             for r in res["gemv"]]
+    if res.get("router"):
+        lines += ["", "## Float32 router (384 x 7168) against a verify's rows, graph-replayed",
+                  "", "| rows | cuBLAS us | kernel us | kernel weight TB/s |", "|---|---|---|---|"]
+        lines += [f"| {r['rows']} | {r['cublas_us']:.1f} | {r['kernel_us']:.1f} | "
+                  f"{r['kernel_tbps']:.2f} |" for r in res["router"]]
     return lines + tree_build_report(res["tree"]) if "tree" in res else lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", default="attention,mla,gemv,tree")
+    ap.add_argument("--sections", default="attention,mla,gemv,router,tree")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--heads", type=int, default=32)
@@ -320,6 +348,8 @@ def main() -> None:
         res["mla"] = mla(args, device, dtype)
     if "gemv" in sections and device.type == "cuda":
         res["gemv"] = gemv(args)
+    if "router" in sections and device.type == "cuda":
+        res["router"] = router_rows(args)
     if "tree" in sections:
         res["tree"] = tree_build_times(device, args.batches, args.budgets, args.reps)
     keys = summary(res)

@@ -22,13 +22,16 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def dense_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x.float(), weight)` for a float32 weight (a router kept in float32); one row on
-    CUDA goes through `layers/gemv.py`'s kernel, which widens x as it reads it."""
+    """`F.linear(x.float(), weight)` for a float32 weight (a router kept in float32); on CUDA
+    one row, or a verify's few, go through `layers/gemv.py`'s kernels, which widen x as they
+    read it."""
     if fused_kernels_apply(x):
-        from flashtree.layers.gemv import gemv, gemv_applies
+        from flashtree.layers.gemv import gemv, gemv_applies, gemv_rows, gemv_rows_applies
 
         if gemv_applies(x, weight):
             return gemv(x, weight)
+        if gemv_rows_applies(x, weight):
+            return gemv_rows(x, weight)
     return torch.nn.functional.linear(x.float(), weight.float())
 
 

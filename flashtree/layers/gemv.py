@@ -4,8 +4,11 @@ On an H200 this streams the smaller Qwen3-8B projections (q/k/v, o, down) faster
 does at batch 1 (docs/benchmarks.md, `python -m benchmarks.kernels --sections gemv`).
 `layers.dense` chooses it; every other case (several rows, float32, CPU, autograd) stays
 with `F.linear`. A float32 weight against a half-precision row (DeepSeek's router) gives
-float32, as `F.linear(x.float(), weight)` does without the cast's launch. Results equal
-`F.linear`'s up to float32 summation order."""
+float32, as `F.linear(x.float(), weight)` does without the cast's launch. `gemv_rows` takes
+2 to ROWS_MAX bf16 rows against a float32 router (a verify's tokens), where cuBLAS runs a
+float32 GEMM at a fraction of bandwidth: split along k, the weight read once, its float32
+products exact through three bf16 tensor-core dots. Results equal `F.linear`'s up to float32
+summation order."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from flashtree.layers import programs_to_fill
 
 _BLOCK_N, _BLOCK_K, _WARPS, _STAGES = 8, 512, 4, 3  # see benchmarks/kernels.py --sections gemv
 _SHORT_BLOCK_K = 1024
+ROWS_MAX = 16  # gemv_rows: a chain's or a small tree's tokens verified at batch 1
+_ROWS_BLOCK_N, _ROWS_BLOCK_K = 32, 64  # benchmarks/kernels.py --sections router
 
 
 @triton.jit
@@ -33,6 +38,33 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n, k, stride_w,
         x = tl.load(x_ptr + c, mask=c < k, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=rows < n)
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, part_ptr, m, n, k, k_per_split, stride_x, stride_w,
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # part[split, :m, cols] = x[:m, split's k range] . W[cols, same range], float32 W. On
+    # tensor cores as three bf16 dots: W = hi + mid + lo exactly (8 bits of its 24 each), and
+    # bf16 x times a bf16 part is exact in the float32 accumulator. Rows padded to ROWS (16).
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    start = tl.program_id(1) * k_per_split
+    for k0 in range(start, tl.minimum(start + k_per_split, k), BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :],
+                    mask=(rows[:, None] < m) & (c[None, :] < k), other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + c[:, None],
+                    mask=(cols[None, :] < n) & (c[:, None] < k), other=0.0)  # [BLOCK_K, BLOCK_N]
+        hi = w.to(tl.bfloat16)
+        rest = w - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(x, hi, acc)
+        acc = tl.dot(x, mid, acc)
+        acc = tl.dot(x, lo, acc)
+    out = part_ptr + tl.program_id(1) * m * n + rows[:, None] * n + cols[None, :]
+    tl.store(out, acc, mask=(rows[:, None] < m) & (cols[None, :] < n))
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -68,3 +100,36 @@ def launch_shape(n: int, device: torch.device) -> tuple[int, int]:
     if -(-n // _BLOCK_N) <= programs_to_fill(device):
         return 1, _SHORT_BLOCK_K
     return _BLOCK_N, _BLOCK_K
+
+
+def gemv_rows_applies(x: torch.Tensor, weight: torch.Tensor, rows_max: int = ROWS_MAX) -> bool:
+    """Whether `gemv_rows` takes x: 2 to `rows_max` rows of a bf16 activation against a
+    float32 2-D weight with contiguous rows (the caller checks CUDA, outside autograd)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.float32
+            and 2 <= rows <= rows_max and weight.dim() == 2 and weight.stride(1) == 1
+            and weight.shape[1] == x.shape[-1] > 0)
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, rows_max: int = ROWS_MAX) -> torch.Tensor:
+    """x [..., k] of 2 to `rows_max` rows, weight [n, k] float32 -> x W^T [..., n] float32, as
+    `F.linear(x.float(), weight)`. The k dim splits so that the programs fill the device;
+    the splits' partial sums add up in one more launch (in order: deterministic)."""
+    assert gemv_rows_applies(x, weight, rows_max), (
+        f"gemv_rows takes 2 to {rows_max} bf16 rows and a float32 weight with contiguous "
+        f"rows: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m, col_blocks = x2.shape[0], triton.cdiv(n, _ROWS_BLOCK_N)
+    blocks_k = triton.cdiv(k, _ROWS_BLOCK_K)
+    per_split = triton.cdiv(blocks_k, max(1, min(blocks_k, programs_to_fill(x.device)
+                                                  // col_blocks))) * _ROWS_BLOCK_K
+    splits = triton.cdiv(k, per_split)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    _gemv_rows_kernel[(col_blocks, splits)](
+        x2, weight, part, m, n, k, per_split, x2.stride(0), weight.stride(0),
+        ROWS=max(16, triton.next_power_of_2(m)), BLOCK_N=_ROWS_BLOCK_N, BLOCK_K=_ROWS_BLOCK_K)
+    y = part[0] if splits == 1 else part.sum(0)
+    return y.reshape(*x.shape[:-1], n)

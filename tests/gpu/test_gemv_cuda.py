@@ -1,6 +1,7 @@
-"""The batch-1 GEMV kernel (`layers/gemv.py`) behind `layers.dense`: one row of x against weights
-of odd shapes equals a float64 product as closely as cuBLAS's `F.linear` does; several rows,
-float32 and autograd stay with `F.linear` exactly. Skips without CUDA or triton."""
+"""The GEMV kernels (`layers/gemv.py`) behind `layers.dense`: one row of x against weights of
+odd shapes equals a float64 product as closely as cuBLAS's `F.linear` does, and so do a
+verify's few rows against a float32 router (`gemv_rows`); other rows, float32 and autograd
+stay with `F.linear` exactly. Skips without CUDA or triton."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason=TRITON_MISSING)
 
 from flashtree.layers import dense, dense_fp32  # noqa: E402
-from flashtree.layers.gemv import gemv, gemv_applies  # noqa: E402
+from flashtree.layers.gemv import ROWS_MAX, gemv, gemv_applies, gemv_rows  # noqa: E402
 
 
 def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
@@ -71,13 +72,28 @@ def test_other_cases_stay_with_f_linear(case):
 
 
 @torch.inference_mode()
-def test_float32_router_weight_on_cuda():
-    """Kimi K2.6's float32 router (384 x 7168) against a bf16 row: float32 logits within
-    float32 summation error of `F.linear(x.float(), weight)` (cuBLAS)."""
-    gen = torch.Generator("cuda").manual_seed(0)
+@pytest.mark.parametrize("rows", [1, 2, 9, ROWS_MAX])
+def test_float32_router_weight_on_cuda(rows):
+    """Kimi K2.6's float32 router (384 x 7168) against a bf16 row or a verify's few: float32
+    logits within float32 summation error of `F.linear(x.float(), weight)` (cuBLAS), from
+    the GEMV kernels (one row: `gemv`, more: `gemv_rows`)."""
+    gen = torch.Generator("cuda").manual_seed(rows)
     weight = torch.randn(384, 7168, generator=gen, device="cuda") / 7168**0.5
-    x = torch.randn(1, 7168, generator=gen, device="cuda").to(torch.bfloat16)
+    x = torch.randn(rows, 7168, generator=gen, device="cuda").to(torch.bfloat16)
     y, want = dense_fp32(x, weight), F.linear(x.float(), weight)
+    assert torch.equal(y, gemv(x, weight) if rows == 1 else gemv_rows(x, weight))
     assert y.dtype == torch.float32 and y.shape == want.shape
     bound = 7168 * 2.0**-24 * F.linear(x.float().abs(), weight.abs())
     assert ((y - want).abs() <= 2 * bound).all()
+
+
+@torch.inference_mode()
+def test_few_rows_keep_every_bit_of_a_float32_router():
+    """Unit rows pick the router's columns bit for bit through the tensor cores (one exact
+    product each): all 24 significand bits of the float32 weight reach the products."""
+    weight = torch.randn(384, 7168, generator=torch.Generator("cuda").manual_seed(1),
+                         device="cuda")
+    picked = torch.tensor([0, 5, 1000, 7167], device="cuda")
+    x = torch.zeros(len(picked), 7168, device="cuda", dtype=torch.bfloat16)
+    x[torch.arange(len(picked), device="cuda"), picked] = 1
+    assert torch.equal(gemv_rows(x, weight), weight[:, picked].t())

@@ -26,9 +26,9 @@ import torch
 from tests.layers.needs_triton import TRITON_MISSING
 
 ROOT = Path(__file__).resolve().parents[2]
-STREAMING = ["gemv"] + [f"fused:{k}" for k in ("rms_norm", "rms_norm_residual", "silu_mul",
-                                                "norm_rope", "norm_rope_to_cache",
-                                                "mla_prologue")]
+STREAMING = ["gemv", "gemv:rows"] + [f"fused:{k}" for k in (
+    "rms_norm", "rms_norm_residual", "silu_mul", "norm_rope", "norm_rope_to_cache",
+    "mla_prologue")]
 PAIR_GEMVS = ["moe:pair_gate_up_kernel:int4", "moe:token_down_kernel:int4",
               "moe:pair_gate_up_kernel:int4-split"]
 STREAMING += PAIR_GEMVS
@@ -62,6 +62,8 @@ def test_kernel_compiles_for_sm90(reports, case):
     assert reports[case]["compiled"], reports[case]
     if case == "attention:mla":
         assert reports[case]["wgmma"] > 0, reports[case]
+    if case == "gemv:rows":  # tensor cores: a float32 dot on the FMA units ran at 0.3 TB/s
+        assert reports[case]["mma"] > 0, reports[case]
     if case in STREAMING:  # a spill in a bandwidth-bound kernel adds memory traffic per element
         assert reports[case]["spill_bytes"] == 0, reports[case]
 
@@ -72,10 +74,10 @@ FLOATS = ("sm_scale_log2", "eps", "scaling")  # the kernels' float scalar argume
 def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
                  num_warps: int = 4, multiples_of_16: tuple[str, ...] = ()) -> dict:
     """Compile `fn` (a @triton.jit kernel) for sm_90 -> {"compiled", "registers",
-    "spill_bytes", "wgmma" (warpgroup MMA instructions in the PTX)}. `pointers`: the element
-    type of each pointer argument; other arguments are i32 but those in FLOATS (fp32). As a
-    launch specializes them: pointers are 16-byte aligned and the integers named in
-    `multiples_of_16` divisible by 16."""
+    "spill_bytes", "wgmma" (warpgroup MMA instructions in the PTX), "mma" (warp MMAs)}.
+    `pointers`: the element type of each pointer argument; other arguments are i32 but those
+    in FLOATS (fp32). As a launch specializes them: pointers are 16-byte aligned and the
+    integers named in `multiples_of_16` divisible by 16."""
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -117,7 +119,7 @@ def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stderr))
     registers = int(re.search(r"Used (\d+) registers", report.stderr).group(1))
     return {"compiled": True, "registers": registers, "spill_bytes": spills,
-            "wgmma": module.count("wgmma.mma_async")}
+            "wgmma": module.count("wgmma.mma_async"), "mma": module.count("mma.sync")}
 
 
 def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
@@ -221,11 +223,17 @@ def attention_case(mla: str, tmp_path: Path) -> dict:
                         strides + ("stride_kh", "stride_vs", "stride_vh"))
 
 
-def gemv_case(tmp_path: Path) -> dict:
+def gemv_case(rows: bool, tmp_path: Path) -> dict:
     """The batch-1 GEMV as `layers/gemv.py` launches it on bf16 weights whose K and row stride
-    are multiples of 16 (every projection of the models served)."""
+    are multiples of 16 (every projection of the models served); with `rows`, `gemv_rows` on
+    a float32 router."""
     from flashtree.layers import gemv
 
+    if rows:
+        return compile_sm90(gemv._gemv_rows_kernel,
+                            dict(ROWS=16, BLOCK_N=gemv._ROWS_BLOCK_N, BLOCK_K=gemv._ROWS_BLOCK_K),
+                            dict(x_ptr="bf16", w_ptr="fp32", part_ptr="fp32"), tmp_path, 4,
+                            ("k", "k_per_split", "stride_x", "stride_w"))
     return compile_sm90(gemv._gemv_kernel, dict(BLOCK_N=gemv._BLOCK_N, BLOCK_K=gemv._BLOCK_K),
                         dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16"), tmp_path, gemv._WARPS,
                         ("k", "stride_w"))
@@ -298,7 +306,7 @@ def main() -> None:
             elif kind == "router":
                 out[case] = router_case(rest[0], Path(tmp))
             elif kind == "gemv":
-                out[case] = gemv_case(Path(tmp))
+                out[case] = gemv_case(rest == ["rows"], Path(tmp))
             elif kind == "fused":
                 out[case] = fused_case(rest[0], Path(tmp))
             elif kind == "ddtree":
