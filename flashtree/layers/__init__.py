@@ -21,6 +21,19 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def dense_normed(x: torch.Tensor, norm: torch.nn.Module, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`dense(norm(x), weight, bias)` for an RMSNorm `norm`; one row on CUDA in one launch
+    (`gemv`'s norm), the norm's rounding kept."""
+    if fused_kernels_apply(x):
+        from flashtree.layers.gemv import gemv, gemv_applies
+
+        if gemv_applies(x, weight):
+            y = gemv(x, weight, norm=(norm.weight, norm.eps))
+            return y if bias is None else y + bias
+    return dense(norm(x), weight, bias)
+
+
 def dense_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x.float(), weight)` for a float32 weight (a router kept in float32); on CUDA
     one row, or a verify's few, go through `layers/gemv.py`'s kernels, which widen x as they

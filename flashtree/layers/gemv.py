@@ -4,7 +4,8 @@ On an H200 this streams the smaller Qwen3-8B projections (q/k/v, o, down) faster
 does at batch 1 (docs/benchmarks.md, `python -m benchmarks.kernels --sections gemv`).
 `layers.dense` chooses it; every other case (several rows, float32, CPU, autograd) stays
 with `F.linear`. A float32 weight against a half-precision row (DeepSeek's router) gives
-float32, as `F.linear(x.float(), weight)` does without the cast's launch. `gemv_rows` takes
+float32, as `F.linear(x.float(), weight)` does without the cast's launch. An RMSNorm right
+before the product (MLA's q_a norm before q_b) can run inside it. `gemv_rows` takes
 2 to ROWS_MAX bf16 rows against a float32 router (a verify's tokens), where cuBLAS runs a
 float32 GEMM at a fraction of bandwidth: split along k, the weight read once, its float32
 products exact through three bf16 tensor-core dots. Results equal `F.linear`'s up to float32
@@ -25,17 +26,30 @@ _ROWS_BLOCK_N, _ROWS_BLOCK_K = 32, 64  # benchmarks/kernels.py --sections router
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, n, k, stride_w,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One program per BLOCK_N outputs: stream their weight rows, accumulate in float32.
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, g_ptr, n, k, stride_w, eps,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    # One program per BLOCK_N outputs: stream their weight rows, accumulate in float32. With
+    # NORM, x is first RMS-normalised with weight g, rounded as `fused.rms_norm` rounds it
+    # (each program sums x's squares itself: x is one short row, the weight is the traffic).
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
+    rstd = 1.0
+    if NORM:
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for start in range(0, k, BLOCK_K):
+            xs = tl.load(x_ptr + start + cols, mask=start + cols < k, other=0.0).to(tl.float32)
+            squares += xs * xs
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / k + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         c = start + cols
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + c[None, :],
                     mask=(rows[:, None] < n) & (c[None, :] < k), other=0.0)
         x = tl.load(x_ptr + c, mask=c < k, other=0.0)
+        if NORM:
+            g = tl.load(g_ptr + c, mask=c < k, other=0.0).to(tl.float32)
+            normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+            x = (normed * g).to(x.dtype)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=rows < n)
 
@@ -76,9 +90,11 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.numel() == x.shape[-1] > 0 and weight.dim() == 2 and weight.stride(1) == 1)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor,
+         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [..., k] holding one row, weight [n, k] -> x W^T [..., n] in the weight's dtype (see
-    `gemv_applies`)."""
+    `gemv_applies`). With `norm` (an RMSNorm's weight [k] and eps), rms_norm(x) W^T in one
+    launch instead of two."""
     assert gemv_applies(x, weight), (
         f"gemv takes one bf16/fp16 row and a weight of its dtype or float32 with contiguous "
         f"rows: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
@@ -86,9 +102,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x_row = x.reshape(k).contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=weight.dtype, device=x.device)
     block_n, block_k = launch_shape(n, x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x_row, weight, y, n, k, weight.stride(0),
+    g, eps = norm if norm is not None else (x_row, 0.0)  # x_row: an unread stand-in
+    assert g.shape == (k,) and g.is_contiguous(), f"norm weight {tuple(g.shape)} for k = {k}"
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x_row, weight, y, g, n, k, weight.stride(0), eps,
                                              BLOCK_N=block_n, BLOCK_K=block_k,
-                                             num_warps=_WARPS, num_stages=_STAGES)
+                                             NORM=norm is not None, num_warps=_WARPS,
+                                             num_stages=_STAGES)
     return y
 
 

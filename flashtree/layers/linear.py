@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flashtree.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from flashtree.layers import dense
+from flashtree.layers import dense, dense_normed
 from flashtree.layers.int4_cpu import Int4Weight
 
 
@@ -58,10 +58,13 @@ class ColumnParallelLinear(nn.Module):
         rows = loaded.narrow(0, get_tp_rank() // replicas * size, size)
         _copy_checked(target.data.narrow(0, offset, size), rows, name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """x W^T + b; with `norm` (an RMSNorm), norm(x) W^T + b (one launch where it can)."""
         if self.int4 is not None:
-            y = self.int4.matmul(x)
+            y = self.int4.matmul(x if norm is None else norm(x))
             return y if self.bias is None else y + self.bias
+        if norm is not None:
+            return dense_normed(x, norm, self.weight, self.bias)
         return dense(x, self.weight, self.bias)
 
 

@@ -71,7 +71,7 @@ class MLAttention(nn.Module):
             q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         else:
             q_a, kv_a = self.qkv_a_proj(x).split([m.q_lora_rank, m.latent_dim], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q = self.q_b_proj(q_a, norm=self.q_a_layernorm)
         q_nope, q_pe = q.view(n, heads, m.qk_head_dim).split(
             [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         w = self.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)

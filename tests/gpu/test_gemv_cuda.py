@@ -97,3 +97,23 @@ def test_few_rows_keep_every_bit_of_a_float32_router():
     x = torch.zeros(len(picked), 7168, device="cuda", dtype=torch.bfloat16)
     x[torch.arange(len(picked), device="cuda"), picked] = 1
     assert torch.equal(gemv_rows(x, weight), weight[:, picked].t())
+
+
+@torch.inference_mode()
+def test_rms_norm_folded_into_the_gemv_as_closely_as_two_launches():
+    """MLA's q_a norm before q_b (Kimi's 1536 -> a TP8 rank's 1536 rows) in one launch: as
+    close to float64 as the RMSNorm kernel followed by cuBLAS."""
+    from flashtree.layers import dense_normed
+    from flashtree.layers.norm import RMSNorm
+
+    gen = torch.Generator("cuda").manual_seed(7)
+    norm = RMSNorm(1536, 1e-6).cuda().to(torch.bfloat16)
+    norm.weight.data = (1 + torch.rand(1536, generator=gen, device="cuda")).bfloat16()
+    weight = (torch.randn(1536, 1536, generator=gen, device="cuda") / 1536**0.5).bfloat16()
+    x = (3 * torch.randn(1, 1536, generator=gen, device="cuda")).bfloat16()
+    x64 = x.double()
+    reference = F.linear(x64 / (x64.square().mean() + 1e-6).sqrt() * norm.weight.double(),
+                         weight.double())
+    y, two_launches = dense_normed(x, norm, weight), F.linear(norm(x), weight)
+    assert torch.equal(y, gemv(x, weight, norm=(norm.weight, norm.eps)))
+    assert relative_error(y, reference) <= max(2 * relative_error(two_launches, reference), 4e-3)

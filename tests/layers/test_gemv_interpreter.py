@@ -137,3 +137,26 @@ def test_gemv_rows_takes_only_a_verifys_rows_against_float32():
     assert not gemv_rows_applies(torch.randn(4, 64).to(torch.bfloat16), weight.bfloat16())
     assert not gemv_rows_applies(torch.randn(4, 64).to(torch.bfloat16), weight.t())
     assert not gemv_rows_applies(torch.randn(4, 64).to(torch.float16), weight)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("n,k", [(13, 129), (200, 1536)])  # 1536: Kimi's q LoRA rank
+def test_rms_norm_folded_in_matches_float64(n, k):
+    """gemv(x, W, norm=(g, eps)) = rms_norm(x) W^T: against float64, within the norm's two
+    roundings to bf16 (normalised, then times g: 2u of each input, rstd's float32 error
+    besides) carried through |W|, plus the product's own error."""
+    gen = torch.Generator().manual_seed(k)
+    x = (3 * torch.randn(k, generator=gen)).to(torch.bfloat16)
+    g = (1 + torch.rand(k, generator=gen)).to(torch.bfloat16)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
+    eps = 1e-6
+    x64 = x.double()
+    normed = x64 / (x64.square().mean() + eps).sqrt() * g.double()
+    y = gemv(x, weight, norm=(g, eps))
+    exact = F.linear(normed, weight.double())
+    u, u32 = UNIT_ROUNDOFF[torch.bfloat16], UNIT_ROUNDOFF[torch.float32]
+    inputs = (2 * u + k * u32) * F.linear(normed.abs(), weight.double().abs())
+    bound = inputs * (1 + u) + u * exact.abs() + (1 + u) * k * u32 * F.linear(
+        normed.abs(), weight.double().abs()) * (1 + 2 * u)
+    error = (y.double() - exact).abs()
+    assert (error <= bound).all(), (error / bound).max().item()

@@ -26,7 +26,7 @@ import torch
 from tests.layers.needs_triton import TRITON_MISSING
 
 ROOT = Path(__file__).resolve().parents[2]
-STREAMING = ["gemv", "gemv:rows"] + [f"fused:{k}" for k in (
+STREAMING = ["gemv", "gemv:rows", "gemv:normed"] + [f"fused:{k}" for k in (
     "rms_norm", "rms_norm_residual", "silu_mul", "norm_rope", "norm_rope_to_cache",
     "mla_prologue")]
 PAIR_GEMVS = ["moe:pair_gate_up_kernel:int4", "moe:token_down_kernel:int4",
@@ -223,20 +223,22 @@ def attention_case(mla: str, tmp_path: Path) -> dict:
                         strides + ("stride_kh", "stride_vs", "stride_vh"))
 
 
-def gemv_case(rows: bool, tmp_path: Path) -> dict:
+def gemv_case(variant: str, tmp_path: Path) -> dict:
     """The batch-1 GEMV as `layers/gemv.py` launches it on bf16 weights whose K and row stride
-    are multiples of 16 (every projection of the models served); with `rows`, `gemv_rows` on
-    a float32 router."""
+    are multiples of 16 (every projection of the models served); `normed` with an RMSNorm
+    before it (MLA's q_a norm before q_b); `rows`, `gemv_rows` on a float32 router."""
     from flashtree.layers import gemv
 
-    if rows:
+    if variant == "rows":
         return compile_sm90(gemv._gemv_rows_kernel,
                             dict(ROWS=16, BLOCK_N=gemv._ROWS_BLOCK_N, BLOCK_K=gemv._ROWS_BLOCK_K),
                             dict(x_ptr="bf16", w_ptr="fp32", part_ptr="fp32"), tmp_path, 4,
                             ("k", "k_per_split", "stride_x", "stride_w"))
-    return compile_sm90(gemv._gemv_kernel, dict(BLOCK_N=gemv._BLOCK_N, BLOCK_K=gemv._BLOCK_K),
-                        dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16"), tmp_path, gemv._WARPS,
-                        ("k", "stride_w"))
+    return compile_sm90(gemv._gemv_kernel,
+                        dict(BLOCK_N=gemv._BLOCK_N, BLOCK_K=gemv._BLOCK_K,
+                             NORM=variant == "normed"),
+                        dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16", g_ptr="bf16"), tmp_path,
+                        gemv._WARPS, ("k", "stride_w"))
 
 
 def fused_case(kernel: str, tmp_path: Path) -> dict:
@@ -306,7 +308,7 @@ def main() -> None:
             elif kind == "router":
                 out[case] = router_case(rest[0], Path(tmp))
             elif kind == "gemv":
-                out[case] = gemv_case(rest == ["rows"], Path(tmp))
+                out[case] = gemv_case(rest[0] if rest else "", Path(tmp))
             elif kind == "fused":
                 out[case] = fused_case(rest[0], Path(tmp))
             elif kind == "ddtree":
