@@ -10,7 +10,8 @@
              engine's FlashInfer decode path on the same pages, checked against Triton
   gemv       the batch-1 GEMV kernel (`flashtree/layers/gemv.py`) against cuBLAS on the
              Qwen3-8B decode shapes for its candidate launch configurations, over weight copies
-             larger than L2 (microseconds, weight TB/s)
+             larger than L2 (microseconds, weight TB/s), and MLA's q_a RMSNorm folded into
+             the q_b GEMV against the two launches it replaces
   router     a float32 router (Kimi K2.6's, 384 x 7168) against 1 to 64 rows: cuBLAS's float32
              GEMM against the GEMV kernels (`gemv_rows`, which the engine takes up to ROWS_MAX)
   tree       the DDTree build, the torch build and (CUDA) the one-launch kernel, graph-replayed
@@ -28,11 +29,17 @@ import random
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from flashtree.attention.backend import AttentionMetadata
 from flashtree.attention.sdpa import SdpaBackend
 from flashtree.bench.floors import copy_bandwidth
+from flashtree.bench.gemv_timing import (
+    GEMV_SHAPES,
+    gemv_configs,
+    gemv_report,
+    norm_fold,
+    router_rows,
+)
 from flashtree.bench.results import int_list, write_results
 from flashtree.bench.shapes import SHAPES
 from flashtree.bench.timing import graph_ms, median_ms
@@ -41,14 +48,6 @@ from flashtree.kv.cache import KVCache, PageTables
 from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.speculative.tree import ancestor_mask
 
-GEMV_SHAPES = {  # Qwen3-8B's, and a Kimi K2.6 TP8 rank's dense projections
-    "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
-                 "down": (4096, 12288), "lm_head": (151936, 4096), "drafter fc": (4096, 20480)},
-    "kimi-tp8": {"qkv_a": (2112, 7168), "q_b": (1536, 1536), "o": (7168, 1024),
-                 "shared gate_up": (512, 7168), "shared down": (7168, 256),
-                 "lm_head": (20480, 7168)}}
-GEMV_CONFIGS = ((8, 512, 4, 3), (16, 256, 4, 3), (8, 512, 8, 2), (16, 512, 8, 3),
-                (4, 1024, 4, 3), (2, 512, 4, 3), (1, 1024, 4, 3))  # BLOCK_N, K, warps, stages
 TREE_NODES = 64
 
 
@@ -194,62 +193,6 @@ def mla(args, device: torch.device, dtype: torch.dtype) -> dict:
     return out
 
 
-@torch.inference_mode()
-def gemv(args) -> list[dict]:
-    """cuBLAS (`F.linear`) and the GEMV kernel at each launch configuration, per shape."""
-    import flashtree.layers.gemv as module
-    from flashtree.layers import dense
-
-    default = (module._BLOCK_N, module._BLOCK_K, module._WARPS, module._STAGES)
-    choose, rows = module.launch_shape, []
-    try:
-        for name, (n, k) in GEMV_SHAPES[args.gemv_shapes].items():
-            copies = max(1, int(200e6 // (n * k * 2)))  # more than the 50 MB L2 holds
-            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-                       for _ in range(copies)]
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            row: dict = {"shape": name, "n": n, "k": k}
-            for config in (None, *GEMV_CONFIGS):
-                if config is not None:
-                    module._BLOCK_N, module._BLOCK_K, module._WARPS, module._STAGES = config
-                    module.launch_shape = lambda n, device, c=config: c[:2]
-                product = F.linear if config is None else dense
-                run = lambda p=product, x=x, ws=weights: [p(x, w) for w in ws]  # noqa: E731
-                us = graph_ms(run, args.reps) * 1e3
-                row["F.linear" if config is None else "x".join(map(str, config))] = us / copies
-            rows.append(row)
-            print(row, flush=True)
-            module.launch_shape = choose
-            module._BLOCK_N, module._BLOCK_K, module._WARPS, module._STAGES = default
-            row["default"] = graph_ms(lambda x=x, ws=weights: [dense(x, w) for w in ws],
-                                      args.reps) * 1e3 / copies
-    finally:
-        module._BLOCK_N, module._BLOCK_K, module._WARPS, module._STAGES = default
-        module.launch_shape = choose
-    return rows
-
-
-@torch.inference_mode()
-def router_rows(args) -> list[dict]:
-    """`F.linear(x.float(), w)` (cuBLAS) against `gemv` (one row) and `gemv_rows` (more) for
-    Kimi K2.6's router, microseconds per call over 20 routers (more than L2 holds)."""
-    from flashtree.layers.gemv import gemv, gemv_rows
-
-    weights = [torch.randn(384, 7168, device="cuda") / 7168**0.5 for _ in range(20)]
-    rows = []
-    for m in (1, 2, 4, 8, 9, 16, 32, 64):
-        x = torch.randn(m, 7168, device="cuda").to(torch.bfloat16)
-        kernel = gemv if m == 1 else lambda x, w: gemv_rows(x, w, rows_max=64)
-        row = {"rows": m}
-        for name, fn in (("cublas_us", lambda x, w: F.linear(x.float(), w)), ("kernel_us", kernel)):
-            run = lambda fn=fn, x=x: [fn(x, w) for w in weights]  # noqa: E731
-            row[name] = graph_ms(run, args.reps) * 1e3 / len(weights)
-        row["kernel_tbps"] = 384 * 7168 * 4 / row["kernel_us"] / 1e6
-        rows.append(row)
-        print(row, flush=True)
-    return rows
-
-
 def summary(res: dict) -> dict:
     keys, rows = {}, {(r["step"], r["ctx"], r["batch"]): r for r in res.get("mla", {})
                       .get("rows", [])}
@@ -301,19 +244,7 @@ def report(res: dict, args) -> list[str]:
                          else " - | - | - |")
             lines.append(line)
         lines.append("")
-    if res.get("gemv"):
-        names = [k for k in res["gemv"][0] if k not in ("shape", "n", "k")]
-        lines += ["## Batch-1 GEMV, graph-replayed (us, weight TB/s; configs BLOCK_N x BLOCK_K "
-                  "x warps x stages)", "", "| shape | " + " | ".join(names) + " |",
-                  "|---|" + "---|" * len(names)]
-        lines += [f"| {r['shape']} ({r['n']}x{r['k']}) | " + " | ".join(
-            f"{r[c]:.1f}, {r['n'] * r['k'] * 2 / r[c] / 1e6:.2f}" for c in names) + " |"
-            for r in res["gemv"]]
-    if res.get("router"):
-        lines += ["", "## Float32 router (384 x 7168) against a verify's rows, graph-replayed",
-                  "", "| rows | cuBLAS us | kernel us | kernel weight TB/s |", "|---|---|---|---|"]
-        lines += [f"| {r['rows']} | {r['cublas_us']:.1f} | {r['kernel_us']:.1f} | "
-                  f"{r['kernel_tbps']:.2f} |" for r in res["router"]]
+    lines += gemv_report(res)
     return lines + tree_build_report(res["tree"]) if "tree" in res else lines
 
 
@@ -347,9 +278,10 @@ def main() -> None:
     if "mla" in sections:
         res["mla"] = mla(args, device, dtype)
     if "gemv" in sections and device.type == "cuda":
-        res["gemv"] = gemv(args)
+        res["gemv"] = gemv_configs(args.gemv_shapes, args.reps)
+        res["norm_fold"] = norm_fold(args.reps)
     if "router" in sections and device.type == "cuda":
-        res["router"] = router_rows(args)
+        res["router"] = router_rows(args.reps)
     if "tree" in sections:
         res["tree"] = tree_build_times(device, args.batches, args.budgets, args.reps)
     keys = summary(res)
