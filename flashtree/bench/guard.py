@@ -1,7 +1,8 @@
 """A guard against slowdowns: this run's step times (AR at batch 1, draft, chain and tree
-verify) against the last committed results of the same shape, depth, layout and GPU, run
-before a kernel change lands (`benchmarks/speculative.py --sections steps --guard`). Times
-from another GPU or shape say nothing, so only an exact match is compared."""
+verify; on CUDA their graphs replayed alone decide) against the last committed results of the
+same shape, depth, layout and GPU, run before a kernel change lands
+(`benchmarks/speculative.py --sections steps --guard`). Times from another GPU or shape say
+nothing, so only an exact match is compared."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 MATCH = ("shape", "layers", "layout")  # what makes two runs' steps comparable, with the GPU
 
 
-def step_times(steps: dict) -> dict[str, float]:
-    """The steps section's guarded times (ms): AR at batch 1, draft, chain and 64-node verify."""
-    chain = steps.get("chain", 16)
-    times = {"ar_b1_ms": steps["ar"].get("1", {}).get("ms"), "draft_ms": steps.get("draft_ms"),
-             f"verify{chain}_ms": steps.get(f"verify{chain}_ms"),
-             "verify64_ms": steps.get("verify64_ms")}
+def step_times(steps: dict, device: bool = False) -> dict[str, float]:
+    """The steps section's guarded times (ms): AR at batch 1, draft, chain and 64-node verify;
+    with `device`, their graphs replayed alone (`timing.replay_ms`), where measured."""
+    chain, key = steps.get("chain", 16), "replay_ms" if device else "ms"
+    times = {"ar_b1_ms": steps["ar"].get("1", {}).get(key),
+             "draft_ms": steps.get(f"draft_{key}"),
+             f"verify{chain}_ms": steps.get(f"verify{chain}_{key}"),
+             "verify64_ms": steps.get(f"verify64_{key}")}
     return {k: v for k, v in times.items() if v is not None}
 
 
@@ -46,7 +49,16 @@ def last_results(run: dict, results: Path = RESULTS, exclude: Path | None = None
 
 def compare(now: dict, before: dict, tolerance: float) -> list[dict]:
     """Per guarded step in both: before and now (ms), their ratio, and whether now is slower
-    than before by more than `tolerance` (0.03: 3%)."""
+    than before by more than `tolerance` (0.03: 3%). Where both runs timed the step's graph
+    alone, that ratio (`replay_ratio`) decides: the whole step's carries the host's jitter."""
     old, new = step_times(before), step_times(now)
-    return [{"step": k, "before_ms": old[k], "now_ms": new[k], "ratio": new[k] / old[k],
-             "slower": new[k] > old[k] * (1 + tolerance)} for k in new if k in old]
+    old_device, new_device = step_times(before, device=True), step_times(now, device=True)
+    rows = []
+    for k in (k for k in new if k in old):
+        row = {"step": k, "before_ms": old[k], "now_ms": new[k], "ratio": new[k] / old[k]}
+        if k in old_device and k in new_device:
+            row.update(before_replay_ms=old_device[k], now_replay_ms=new_device[k],
+                       replay_ratio=new_device[k] / old_device[k])
+        row["slower"] = row.get("replay_ratio", row["ratio"]) > 1 + tolerance
+        rows.append(row)
+    return rows

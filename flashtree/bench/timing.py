@@ -105,6 +105,22 @@ def step_ms(llm: LLM, fn: Callable[[], object], reps: int, drafter: bool = False
     return ms
 
 
+def replay_ms(llm: LLM, fn: Callable[[], object], reps: int, drafter: bool = False
+              ) -> float | None:
+    """Median ms of replaying alone the one CUDA graph that a call of `fn` replays (the
+    device's time of the step, without the host's work around it, which varies between runs
+    more than a kernel change moves it); None without graphs or when `fn` replays several."""
+    runner = llm.engine.proposer.runner if drafter else llm.engine.runner
+    graphs: GraphRunner | None = runner.graphs
+    if graphs is None or not captures_graphs(llm):
+        return None
+    before = graphs.replays
+    fn()
+    if graphs.replays - before != 1:
+        return None
+    return median_ms(graphs.last_graph.replay, runner.device, reps)
+
+
 class Scratch:
     """Scratch requests holding KV pages of an engine while a measurement runs."""
 

@@ -74,6 +74,7 @@ class GraphRunner:
         self._buckets: dict[tuple[GraphMode, int, int], GraphKey | None] = {}
         self._pool = None  # memory pool shared by all captures (they never run concurrently)
         self.replays = 0  # CUDA graph replays so far (benchmarks check their steps replayed)
+        self.last_graph: torch.cuda.CUDAGraph | None = None  # benchmarks time it alone
 
     @property
     def keys(self) -> list[GraphKey]:
@@ -129,6 +130,7 @@ class GraphRunner:
             return self.forward(key, entry.static)
         entry.graph.replay()
         self.replays += 1
+        self.last_graph = entry.graph
         return entry.outputs
 
     def _capture(self, key: GraphKey, static: dict[str, torch.Tensor]
