@@ -130,7 +130,7 @@ class Bench:
             t, a = time.time(), self.args
             if a.layout:  # this process's rank share (main entered it), the seeds' drafter
                 self._pair = random_rank(a.shape, self.dtype, self.device, a.layers,
-                                         **self.shape_overrides())
+                                         built_layers=a.built_layers, **self.shape_overrides())
             else:
                 target, cfg = random_target(self.shape, self.dtype, self.device)
                 self._pair = target, cfg, random_drafter(
@@ -932,6 +932,9 @@ def main() -> None:
                     help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     ap.add_argument("--layers", type=int, help="target depth (default: the shape's)")
+    ap.add_argument("--built-layers", type=int, help="with --layout: build this many layers and "
+                    "repeat their MoE layers' weights to --layers (a full depth's steps where "
+                    "its weights do not fit; random_pair.repeat_layers)")
     ap.add_argument("--first-dense", type=int, help="DeepSeek shapes: dense layers first")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--layout", help="tpN, epN or tpNepM: one rank's share of the layout, run "
@@ -991,6 +994,8 @@ def main() -> None:
     sections = args.sections.split(",")
     if unknown := set(sections) - set(SECTIONS):
         ap.error(f"unknown sections {sorted(unknown)}; allowed: {', '.join(SECTIONS)}")
+    if args.built_layers and not args.layout:
+        ap.error("--built-layers repeats a rank's layers: give --layout too (e.g. tp8)")
     path = args.out.with_suffix(".json")
     old = json.loads(path.read_text()) if path.exists() else {}
     res = {k: old[k] for k in (*SECTIONS, "errors", "commands") if k in old}
@@ -1001,9 +1006,11 @@ def main() -> None:
 
     def save() -> None:
         keys = summary(res)
+        built = f" (weights of {args.built_layers} repeated)" if args.built_layers else ""
         write_results(args.out, f"Speculative steps and end to end: {args.shape}-shaped target, "
-                      f"{layers} layers, {args.dtype}", report(res, keys),
+                      f"{layers} layers{built}, {args.dtype}", report(res, keys),
                       {**res, **keys, "shape": args.shape, "layers": layers,
+                       "built_layers": args.built_layers,
                        "layout": args.layout, "draft_layers": draft_layers,
                        "command": "; ".join(res["commands"])}, GOAL_KEYS)
 

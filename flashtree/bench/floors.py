@@ -49,16 +49,17 @@ def local_experts_touched(layer: SparseMoE, ids: torch.Tensor) -> int:
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes of all parameters, tied tensors once; bytes a decode step reads of them besides
-    the routed experts): every matrix and the LM head, but of the embedding table only the
-    rows it looks up (negligible), so an untied table is left out; a tied one is read as the
-    LM head."""
-    params = {p.data_ptr(): (n, p) for n, p in model.named_parameters()}
-    total = _bytes(p for _, p in params.values())
+    """(bytes of all parameters held, tied or shared tensors once; bytes a decode step reads of
+    them besides the routed experts): every layer's matrices and the LM head, but of the
+    embedding table only the rows it looks up (negligible), so an untied table is left out; a
+    tied one is read as the LM head."""
+    total = _bytes({p.data_ptr(): p for p in model.parameters()}.values())
+    # Every layer reads its matrices, those it shares with another too (`repeat_layers`); the
+    # table is listed once more than it is read: as the embedding (and as a tied LM head).
+    read = _bytes(p for n, p in model.named_parameters(remove_duplicate=False)
+                  if ".experts." not in n)
     emb = model.embed_tokens.weight
-    tied = emb.data_ptr() == model.lm_head.weight.data_ptr()
-    read = _bytes(p for n, p in params.values() if ".experts." not in n)
-    return total, read if tied else read - emb.numel() * emb.element_size()
+    return total, read - emb.numel() * emb.element_size()
 
 
 class ExpertsTouched:

@@ -23,6 +23,8 @@ decisive construction does not need: it reads only the token's own embedding row
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -216,16 +218,71 @@ def rank_share(layout: str, device: torch.device | str = "cpu", rank: int = 0
         destroy_tp()
 
 
+def _tensors_within(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """Every tensor `module` and its submodules hold, by id: parameters, buffers and tensors
+    kept in attributes (stacked experts, absorbed projections), in tuples, lists, dicts and
+    dataclasses."""
+    found: dict[int, torch.Tensor] = {}
+
+    def walk(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            found[id(obj)] = obj
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            walk(vars(obj))
+
+    for m in module.modules():
+        walk({k: v for k, v in vars(m).items() if k != "_modules"})
+    return found
+
+
+def repeat_layers(model: DecoderModel, cfg: ModelConfig, layers: int) -> ModelConfig:
+    """Extend `model` to `layers` decoder layers: layer i past those built is a copy of built
+    MoE layer first + (i - first) % (built - first) (first: the dense ones) that shares its
+    weights but writes its own KV cache layer. A step then reads the bytes and runs the
+    kernels of a model that deep (the layers sharing weights lie tens of layers apart, far
+    beyond L2) in the memory of the layers built. Returns the deeper config (model.cfg too)."""
+    built = len(model.layers)
+    sparse = list(cfg.moe.sparse_layers) if cfg.moe else [False] * built
+    first = sparse.index(True) if True in sparse else built
+    if not first < built <= layers:
+        raise ValueError(f"repeat {built} built layers ({first} dense) to {layers}: needs "
+                         "a MoE layer built and no more layers built than asked")
+    for i in range(built, layers):
+        j = first + (i - first) % (built - first)
+        source = model.layers[j]
+        sparse.append(sparse[j])
+        shared = _tensors_within(source)
+        layer = copy.deepcopy(source, memo=dict(shared))
+        assert _tensors_within(layer).keys() <= shared.keys(), "a repeated layer copied weights"
+        layer.self_attn.layer = i
+        model.layers.append(layer)
+    model.cfg = replace(cfg, num_layers=layers, moe=replace(cfg.moe, sparse_layers=tuple(sparse)))
+    return model.cfg
+
+
 def random_rank(name: str, dtype: torch.dtype, device: torch.device | str,
                 layers: int | None = None, int4_group: int | None = None, seed: int = 1,
-                **overrides) -> tuple[DecoderModel, ModelConfig, DFlashDraftModel]:
+                built_layers: int | None = None, **overrides
+                ) -> tuple[DecoderModel, ModelConfig, DFlashDraftModel]:
     """(target, its config, drafter) of shape `name` (shapes.SHAPES, with `overrides` and cut
     to `layers` decoder layers), built as this process's rank: one rank's share inside
     `rank_share`. Routed experts INT4 as `INT4_GROUPS` has them unless `int4_group` says; the
-    drafter DRAFTERS[name] with DRAFTER_LAYOUT's layers and block size (else 5 and 16)."""
+    drafter DRAFTERS[name] with DRAFTER_LAYOUT's layers and block size (else 5 and 16). With
+    `built_layers`, only that many layers hold weights of their own (`repeat_layers`)."""
     shape = with_layers({**SHAPES[name], **overrides}, layers)
     group = INT4_GROUPS.get(name, 0) if int4_group is None else int4_group
+    depth = shape["num_hidden_layers"]
+    if built_layers is not None:
+        shape["num_hidden_layers"] = built_layers
     target, cfg = random_target(shape, dtype, device, seed, int4_group=group)
+    if built_layers is not None:
+        cfg = repeat_layers(target, cfg, depth)
     draft_layers, block = DRAFTER_LAYOUT.get(name, (5, 16))
     drafter = random_drafter(cfg, DRAFTERS[name], dtype, device, layers=draft_layers,
                              block_size=block, seed=seed + 1)

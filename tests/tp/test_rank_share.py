@@ -6,6 +6,7 @@ vocabulary slice; random INT4 experts have the float rule's spread."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from dataclasses import replace
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from flashtree import SamplingParams
+from flashtree.bench.floors import weight_bytes
 from flashtree.bench.random_pair import (
     _INPUT_STD,
     _TARGET_RESIDUAL_SCALE,
@@ -303,3 +305,38 @@ def test_kimi_drafter_is_the_seeds():
         6, 8, KIMI_K26["hidden_size"])
     whole = 2 * sum(p.per_gpu for p in drafter_parts(d, 1))
     assert 6.3e9 < whole < 6.9e9, whole
+
+
+def test_repeated_layers_share_weights_and_compute_as_copies_would():
+    """`built_layers`: the layers past those built share a built MoE layer's weights (no
+    tensor copied) and write their own KV cache layer; a step's floor counts their bytes; an
+    engine over them commits the tokens and fills the KV cache bit for bit as one over a model
+    whose extra layers are independent copies (plain `deepcopy`)."""
+    kw = dict(int4_group=GROUP, moe_intermediate_size=MOE_INTER)
+    with rank_share("tp4"):
+        deep, cfg, drafter = random_rank("tiny-mla", torch.float32, "cpu", layers=6,
+                                         built_layers=3, **kw)
+        copied, built_cfg, _ = random_rank("tiny-mla", torch.float32, "cpu", layers=3, **kw)
+        for i, j in ((3, 1), (4, 2), (5, 1)):  # layer 0 is dense: the MoE layers repeat
+            mine, source = deep.layers[i], deep.layers[j]
+            assert mine is not source and mine.self_attn.layer == i
+            assert [p.data_ptr() for p in mine.parameters()] == [
+                p.data_ptr() for p in source.parameters()]
+            layer = copy.deepcopy(copied.layers[j])
+            layer.self_attn.layer = i
+            copied.layers.append(layer)
+        copied.cfg = replace(built_cfg, num_layers=6, moe=replace(
+            built_cfg.moe, sparse_layers=built_cfg.moe.sparse_layers + (True,) * 3))
+        assert cfg == copied.cfg
+        assert weight_bytes(deep)[1] == weight_bytes(copied)[1]  # a step reads every layer's
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        runs = []
+        for target in (deep, copied):
+            llm = rank_llm(target, target.cfg, drafter, spec="dflash", block_size=BLOCK,
+                           max_num_seqs=2, max_model_len=256)
+            tokens = [list(o.outputs[0].token_ids) for o in llm.generate([[5, 9, 2, 7]] * 2,
+                                                                          params)]
+            runs.append((tokens, llm.engine.cache.k.clone()))
+    (deep_tokens, deep_k), (copied_tokens, copied_k) = runs
+    assert deep_tokens == copied_tokens and torch.equal(deep_k, copied_k)
+    assert all(deep_k[i].abs().sum() > 0 for i in range(6))  # every layer wrote its own
