@@ -21,6 +21,7 @@ from flashtree.bench.floors import weight_bytes
 from flashtree.bench.random_pair import (
     _INPUT_STD,
     _TARGET_RESIDUAL_SCALE,
+    _tensors_within,
     parse_layout,
     random_rank,
     rank_llm,
@@ -337,6 +338,9 @@ def test_repeated_layers_share_weights_and_compute_as_copies_would():
             tokens = [list(o.outputs[0].token_ids) for o in llm.generate([[5, 9, 2, 7]] * 2,
                                                                           params)]
             runs.append((tokens, llm.engine.cache.k.clone()))
+        held = {i: {t.data_ptr() for t in _tensors_within(deep.layers[i]).values()}
+                for i in range(6)}
+        assert held[3] == held[5] == held[1] and held[4] == held[2]  # still, after serving
     (deep_tokens, deep_k), (copied_tokens, copied_k) = runs
     assert deep_tokens == copied_tokens and torch.equal(deep_k, copied_k)
     assert all(deep_k[i].abs().sum() > 0 for i in range(6))  # every layer wrote its own
