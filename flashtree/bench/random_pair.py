@@ -220,11 +220,15 @@ def rank_share(layout: str, device: torch.device | str = "cpu", rank: int = 0
 
 def _tensors_within(module: torch.nn.Module) -> dict[int, torch.Tensor]:
     """Every tensor `module` and its submodules hold, by id: parameters, buffers and tensors
-    kept in attributes (stacked experts, absorbed projections), in tuples, lists, dicts and
-    dataclasses."""
+    kept in attributes (stacked experts, absorbed projections), in tuples, lists, dicts,
+    dataclasses and this project's own objects."""
     found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
 
     def walk(obj) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             found[id(obj)] = obj
         elif isinstance(obj, (list, tuple)):
@@ -233,11 +237,14 @@ def _tensors_within(module: torch.nn.Module) -> dict[int, torch.Tensor]:
         elif isinstance(obj, dict):
             for item in obj.values():
                 walk(item)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            walk(vars(obj))
+        elif (hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)) and (
+                dataclasses.is_dataclass(obj) or type(obj).__module__.startswith("flashtree"))):
+            walk(vars(obj))  # this project's objects holding tensors (e.g. Int4Weight)
 
     for m in module.modules():
-        walk({k: v for k, v in vars(m).items() if k != "_modules"})
+        for name, value in vars(m).items():
+            if name != "_modules":  # submodules: module.modules() visits them
+                walk(value)
     return found
 
 
