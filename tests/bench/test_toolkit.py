@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from flashtree.bench.floors import step_floor_bytes, weight_bytes
 from flashtree.bench.random_pair import random_drafter, random_target, save_drafter, save_target
 from flashtree.bench.results import GOALS, write_results
 from flashtree.bench.shapes import DRAFTERS, SHAPES, TINY, TINY_MOE, moe_layer, with_layers
-from flashtree.bench.timing import EagerFallback, Scratch, step_ms
+from flashtree.bench.timing import EagerFallback, Scratch, replay_ms, step_ms
 from flashtree.graphs.runner import GraphRunner
 from flashtree.graphs.schema import GraphKey, GraphMode
 from flashtree.models.config import ModelConfig
@@ -113,6 +115,34 @@ def test_graph_runner_counts_replays_not_eager_runs():
     runner._entries[GraphKey(GraphMode.DECODE, 2, 1)].graph = _Graph()
     runner.run(GraphMode.DECODE, 2, 1, inputs)
     assert runner.replays == 1
+
+
+class _CountedGraph(_Graph):
+    def __init__(self) -> None:
+        self.replayed = 0
+
+    def replay(self) -> None:
+        self.replayed += 1
+
+
+def test_replay_ms_times_the_one_graph_a_step_replayed_alone():
+    """The guard's device time: the graph the step replayed, replayed again by itself (warm-up
+    and reps); nothing where the step replayed none or several, or graphs are off."""
+    runner = GraphRunner(model_like, DIMS, torch.device("cpu"), [1, 2])
+    runner.capture(GraphMode.DECODE, 1)
+    graph = _CountedGraph()
+    runner._entries[GraphKey(GraphMode.DECODE, 2, 1)].graph = graph
+    runner.use_cuda_graphs = True  # as an engine that captured graphs (captures_graphs)
+    llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(
+        graphs=runner, device=torch.device("cpu"))))
+    inputs = make_inputs(GraphMode.DECODE, [1, 1], "cpu")
+    step = partial(runner.run, GraphMode.DECODE, 2, 1, inputs)
+    assert replay_ms(llm, step, reps=4) >= 0
+    assert graph.replayed == 1 + 3 + 4 and runner.last_graph is graph  # step, warm-up, reps
+    assert replay_ms(llm, lambda: (step(), step()), reps=4) is None
+    assert replay_ms(llm, lambda: None, reps=4) is None
+    runner.use_cuda_graphs = False
+    assert replay_ms(llm, step, reps=4) is None
 
 
 def _dense_bytes(shape: dict, layers: int, experts: bool) -> int:
