@@ -64,7 +64,7 @@ def gemv_configs(shapes: str, reps: int) -> list[dict]:
 def norm_fold(reps: int, n: int = 1536, k: int = 1536) -> dict:
     """MLA's q_a RMSNorm then the q_b GEMV (a Kimi TP8 rank's 1536 x 1536) at one row: the
     norm kernel and the GEMV (two launches) against the GEMV with the norm folded in."""
-    from flashtree.layers import dense, dense_normed
+    from flashtree.layers import dense
     from flashtree.layers.norm import RMSNorm
 
     norm = RMSNorm(k, 1e-6).to("cuda", torch.bfloat16)
@@ -72,7 +72,7 @@ def norm_fold(reps: int, n: int = 1536, k: int = 1536) -> dict:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     row = {"n": n, "k": k,
            "two_launches_us": _us_per_copy(lambda x, w: dense(norm(x), w), x, weights, reps),
-           "folded_us": _us_per_copy(lambda x, w: dense_normed(x, norm, w), x, weights, reps)}
+           "folded_us": _us_per_copy(lambda x, w: dense(x, w, norm=norm), x, weights, reps)}
     print(row, flush=True)
     return row
 

@@ -88,13 +88,18 @@ def embedded_tokens(llm: LLM) -> int:
     return llm.engine.runner.model.embed_tokens.vocab_end
 
 
+def _runner_and_graphs(llm: LLM, drafter: bool) -> tuple[object, GraphRunner | None]:
+    """The target's runner (or the drafter's) and its CUDA graphs, if any."""
+    runner = llm.engine.proposer.runner if drafter else llm.engine.runner
+    return runner, runner.graphs
+
+
 def step_ms(llm: LLM, fn: Callable[[], object], reps: int, drafter: bool = False,
             warmup: int = 3) -> float:
     """Median ms of `fn`, one forward through `llm`'s target runner (or the drafter's runner,
     with `drafter`). When the engine captured CUDA graphs, every call must replay one, as it does
     in serving: raises EagerFallback otherwise."""
-    runner = llm.engine.proposer.runner if drafter else llm.engine.runner
-    graphs: GraphRunner | None = runner.graphs
+    runner, graphs = _runner_and_graphs(llm, drafter)
     before = 0 if graphs is None else graphs.replays
     ms = median_ms(fn, llm.engine.runner.device, reps, warmup)
     replayed = 0 if graphs is None else graphs.replays - before
@@ -110,8 +115,7 @@ def replay_ms(llm: LLM, fn: Callable[[], object], reps: int, drafter: bool = Fal
     """Median ms of replaying alone the one CUDA graph that a call of `fn` replays (the
     device's time of the step, without the host's work around it, which varies between runs
     more than a kernel change moves it); None without graphs or when `fn` replays several."""
-    runner = llm.engine.proposer.runner if drafter else llm.engine.runner
-    graphs: GraphRunner | None = runner.graphs
+    runner, graphs = _runner_and_graphs(llm, drafter)
     if graphs is None or not captures_graphs(llm):
         return None
     before = graphs.replays

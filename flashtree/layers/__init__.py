@@ -9,29 +9,17 @@ def fused_kernels_apply(x: torch.Tensor) -> bool:
     return x.is_cuda and not torch.is_grad_enabled()
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; one row on CUDA goes through `layers/gemv.py`'s kernel."""
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+          norm: torch.nn.Module | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, of `norm(x)` where an RMSNorm `norm` is given; one row on
+    CUDA goes through `layers/gemv.py`'s kernel (the norm inside it, its rounding kept)."""
     if fused_kernels_apply(x):
         from flashtree.layers.gemv import gemv, gemv_applies
 
         if gemv_applies(x, weight):
-            y = gemv(x, weight)
+            y = gemv(x, weight, norm=None if norm is None else (norm.weight, norm.eps))
             return y if bias is None else y + bias
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-def dense_normed(x: torch.Tensor, norm: torch.nn.Module, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`dense(norm(x), weight, bias)` for an RMSNorm `norm`; one row on CUDA in one launch
-    (`gemv`'s norm), the norm's rounding kept."""
-    if fused_kernels_apply(x):
-        from flashtree.layers.gemv import gemv, gemv_applies
-
-        if gemv_applies(x, weight):
-            y = gemv(x, weight, norm=(norm.weight, norm.eps))
-            return y if bias is None else y + bias
-    return dense(norm(x), weight, bias)
+    return torch.nn.functional.linear(x if norm is None else norm(x), weight, bias)
 
 
 def dense_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flashtree.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from flashtree.layers import dense, dense_normed
+from flashtree.layers import dense
 from flashtree.layers.int4_cpu import Int4Weight
 
 
@@ -63,9 +63,7 @@ class ColumnParallelLinear(nn.Module):
         if self.int4 is not None:
             y = self.int4.matmul(x if norm is None else norm(x))
             return y if self.bias is None else y + self.bias
-        if norm is not None:
-            return dense_normed(x, norm, self.weight, self.bias)
-        return dense(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias, norm)
 
 
 class RowParallelLinear(nn.Module):

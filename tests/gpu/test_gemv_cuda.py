@@ -103,7 +103,6 @@ def test_few_rows_keep_every_bit_of_a_float32_router():
 def test_rms_norm_folded_into_the_gemv_as_closely_as_two_launches():
     """MLA's q_a norm before q_b (Kimi's 1536 -> a TP8 rank's 1536 rows) in one launch: as
     close to float64 as the RMSNorm kernel followed by cuBLAS."""
-    from flashtree.layers import dense_normed
     from flashtree.layers.norm import RMSNorm
 
     gen = torch.Generator("cuda").manual_seed(7)
@@ -114,6 +113,6 @@ def test_rms_norm_folded_into_the_gemv_as_closely_as_two_launches():
     x64 = x.double()
     reference = F.linear(x64 / (x64.square().mean() + 1e-6).sqrt() * norm.weight.double(),
                          weight.double())
-    y, two_launches = dense_normed(x, norm, weight), F.linear(norm(x), weight)
+    y, two_launches = dense(x, weight, norm=norm), F.linear(norm(x), weight)
     assert torch.equal(y, gemv(x, weight, norm=(norm.weight, norm.eps)))
     assert relative_error(y, reference) <= max(2 * relative_error(two_launches, reference), 4e-3)
