@@ -54,9 +54,10 @@ TOKENS = (1, 8, 32, 128, 16, 64)  # the last two: a 16- and a 64-node tree verif
 TILE_CANDIDATES = {  # fused_moe.Tiles(block_n, block_k, num_warps, num_stages) for --tiles
     "dense": [(n, k, w, 3) for n in (32, 64, 128) for k in (64, 128) for w in (4, 8)],
     "int4": [(n, k, w, 3) for n in (32, 64, 128) for k in (128, 256) for w in (4, 8)],
-    # fused_moe.PairTiles(block_n, block_k, down_block_n, down_block_k, num_warps): INT4 pairs
-    "pairs": [(n, k, dn, 256, w) for n in (8, 16, 32) for k in (256, 512) for dn in (8, 16, 32)
-              for w in (4, 8)],
+    # fused_moe.PairTiles(block_n, block_k, down_block_n, down_block_k, num_warps,
+    # split_per_sm): INT4 pairs
+    "pairs": [(n, k, dn, 256, w, f) for n in (8, 16, 32) for k in (256, 512) for dn in (8, 16)
+              for w in (4, 8) for f in (2, 4, 8)],
 }
 
 def build_layer(shape: str, device: torch.device, dtype: torch.dtype) -> SparseMoE:
@@ -144,7 +145,8 @@ def report(res: dict) -> list[str]:
         if "fused_over_loop_b1" in r:
             lines += ["", f"Fused over loop at one token: {r['fused_over_loop_b1']:.2f}x."]
         for kind, commas in (("per-pair GEMV (block_n, block_k, down_block_n, down_block_k, "
-                              "warps)", 4), ("grouped tile (block_n, block_k, warps, stages)", 3)):
+                              "warps, split programs an SM)", 5),
+                             ("grouped tile (block_n, block_k, warps, stages)", 3)):
             rows = [t for t in r.get("tiles", []) if max(k.count(",") for k in t) == commas]
             configs = [k for k in rows[0] if k != "tokens"] if rows else []
             lines += ["", f"Routed experts alone, graph-replayed, ms per {kind}:", "",

@@ -195,6 +195,7 @@ class PairTiles(NamedTuple):
     down_block_n: int = 8  # a down program's tile: all top_k slots x down_block_n x block_k / 8
     down_block_k: int = 256
     num_warps: int = 4
+    split_per_sm: int = 4  # gate/up programs an SM the input split aims for (4 beat 2 and 8)
 
 
 def default_tiles(experts: StackedExperts) -> Tiles:
@@ -205,12 +206,13 @@ def default_tiles(experts: StackedExperts) -> Tiles:
 
 
 def split_k(pairs: int, local_experts: int, routed_experts: int, col_blocks: int,
-            k_blocks: int, device: torch.device) -> int:
+            k_blocks: int, device: torch.device, per_sm: int = 2) -> int:
     """How many programs share gate/up's input dim: enough that the blocks the pairs are
     expected to occupy (pairs spread uniformly over the routed experts, this rank holding
-    `local_experts` of them) fill the GPU."""
+    `local_experts` of them) make `per_sm` programs an SM."""
     busy = max(1, min(local_experts, -(-pairs * local_experts // routed_experts)))
-    return max(1, min(k_blocks, programs_to_fill(device) // (busy * col_blocks)))
+    programs = programs_to_fill(device) * per_sm // 2  # programs_to_fill: two an SM
+    return max(1, min(k_blocks, programs // (busy * col_blocks)))
 
 
 def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor,
@@ -291,7 +293,7 @@ def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Te
     num_pairs, top_k = ids.numel(), ids.shape[1]
     ids, weights = ids.contiguous(), weights.contiguous()
     splits, k_per_split = _splits(num_pairs, num_experts, routed_experts, inter, hidden,
-                                  tiles.block_n, tiles.block_k, x.device)
+                                  tiles.block_n, tiles.block_k, x.device, tiles.split_per_sm)
     act, part = _buffers(x, num_pairs, inter, splits)
     w13, s13, w2, s2 = experts.gate_up, experts.gate_up_scale, experts.down, experts.down_scale
     pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.block_n), splits)](
@@ -312,11 +314,12 @@ def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Te
 
 
 def _splits(pairs: int, local_experts: int, routed_experts: int | None, inter: int,
-            hidden: int, block_n: int, block_k: int, device: torch.device) -> tuple[int, int]:
+            hidden: int, block_n: int, block_k: int, device: torch.device, per_sm: int = 2
+            ) -> tuple[int, int]:
     """(programs sharing gate/up's input dim, input columns each) for `split_k`'s count."""
     k_blocks = triton.cdiv(hidden, block_k)
     splits = split_k(pairs, local_experts, routed_experts or local_experts,
-                     triton.cdiv(inter, block_n), k_blocks, device)
+                     triton.cdiv(inter, block_n), k_blocks, device, per_sm)
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
     return triton.cdiv(hidden, k_per_split), k_per_split
 
