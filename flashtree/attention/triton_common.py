@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtree.pdl import pdl, wait_for_previous
+
 LOG2E = 1.4426950408889634
 # Running max before any key: finite, so fully masked rows give p = 0.
 NO_SCORE = tl.constexpr(-1.0e30)
@@ -61,9 +63,10 @@ def _merge_splits_kernel(
     stride_ot, stride_oh, num_kv_heads, num_m_tiles,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr,
     BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-    WRITTEN_ROWS_ONLY: tl.constexpr,
+    WRITTEN_ROWS_ONLY: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per (request, KV head and BLOCK_DC-column chunk, query tile).
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1) // (BLOCK_D // BLOCK_DC)
     d = (tl.program_id(1) % (BLOCK_D // BLOCK_DC)) * BLOCK_DC + tl.arange(0, BLOCK_DC)
@@ -113,5 +116,6 @@ def merge_splits(out: torch.Tensor, partials: tuple[torch.Tensor, ...], query_st
         out, *partials, query_start, out.stride(0), out.stride(1), num_kv_heads, num_m_tiles,
         GROUP=group, HEAD_DIM=out.shape[2], BLOCK_D=block_d, BLOCK_DC=chunk, BLOCK_M=block_m,
         NUM_SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
-        WRITTEN_ROWS_ONLY=written_rows_only, num_warps=4,
+        WRITTEN_ROWS_ONLY=written_rows_only, PDL=pdl(out.device), num_warps=4,
+        launch_pdl=pdl(out.device),
     )

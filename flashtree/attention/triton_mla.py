@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from flashtree.attention.triton_common import NO_SCORE, key_range, new_token_visibility
+from flashtree.pdl import wait_for_previous
 
 
 @triton.jit
@@ -47,10 +48,11 @@ def latent_attention_kernel(
     PAGE: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     # Programs of one request and context split run side by side (axis 0), so the query tiles
     # reading the same keys find them in L2.
+    wait_for_previous(PDL)
     mt = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)

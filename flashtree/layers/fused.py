@@ -15,15 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtree.pdl import pdl, wait_for_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     stride_xt, stride_xh, stride_rt, stride_ot, stride_oh, stride_st,
     num_heads, dim, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per (token, head) row of `dim` elements.
+    wait_for_previous(PDL)
     t = tl.program_id(0) // num_heads
     h = tl.program_id(0) % num_heads
     cols = tl.arange(0, BLOCK)
@@ -66,12 +69,15 @@ def rms_norm(
             x3.stride(0), x3.stride(1), res.stride(0), out.stride(0), out.stride(1),
             acc.stride(0), heads, dim, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(dim),
+            PDL=pdl(x.device), launch_pdl=pdl(x.device),
         )
     return out.view(x.shape), total
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -92,7 +98,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     if n:
         _silu_mul_kernel[(n, triton.cdiv(inter, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block)
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
+            PDL=pdl(gate_up.device), launch_pdl=pdl(gate_up.device))
     return out
 
 

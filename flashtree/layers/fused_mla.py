@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtree.pdl import pdl, wait_for_previous
+
 
 @triton.jit
 def _rope_half_pair(row, lo, ok, half, cos_row, sin_row, INTERLEAVED: tl.constexpr):
@@ -37,7 +39,9 @@ def _mla_prologue_kernel(
     stride_lt, stride_lh, stride_pt, stride_ph, stride_kt, stride_ct, stride_ot, stride_oh,
     stride_cs, heads, latent, half, eps,
     INTERLEAVED: tl.constexpr, BLOCK_LATENT: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     # Programs (token, h): h < heads assembles head h's query; h == heads writes the token's
     # cache row.
     t = tl.program_id(0)
@@ -93,5 +97,6 @@ def mla_prologue(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_a: torch.Tensor,
             kv_a.stride(0), cos.stride(0), out.stride(0), out.stride(1), cache.stride(0),
             heads, latent, rope // 2, eps, INTERLEAVED=interleaved,
             BLOCK_LATENT=triton.next_power_of_2(latent),
-            BLOCK_HALF=triton.next_power_of_2(rope // 2), num_warps=4)
+            BLOCK_HALF=triton.next_power_of_2(rope // 2), PDL=pdl(out.device), num_warps=4,
+            launch_pdl=pdl(out.device))
     return out

@@ -26,6 +26,7 @@ from flashtree.layers import programs_to_fill
 from flashtree.layers.int4_unpack import scaled_planes
 from flashtree.layers.moe_align import BLOCK_M, align_by_expert
 from flashtree.layers.moe_gemv import pair_gate_up_kernel, silu_mul, token_down_kernel
+from flashtree.pdl import pdl, wait_for_previous
 from flashtree.layers.stacked_experts import StackedExperts
 
 PER_PAIR_MAX = 64  # at most this many pairs: a block per pair, no grouping launch
@@ -132,8 +133,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, experts_ptr, ids_pt
 
 @triton.jit
 def _split_activation_kernel(part_ptr, act_ptr, splits, inter, stride_ps, stride_pt,
-                             stride_at, BLOCK: tl.constexpr):
+                             stride_at, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # act[pair, n] = silu(sum over splits of gate) * (sum of up), for one pair's columns.
+    wait_for_previous(PDL)
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -300,7 +302,8 @@ def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Te
         x, w13, s13, part, ids, first_expert, num_experts, top_k, hidden, inter, k_per_split,
         x.stride(0), w13.stride(0), w13.stride(1), *_strides(s13), part.stride(0),
         part.stride(1), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=experts.group,
-        SPLIT=splits > 1, num_warps=tiles.num_warps)
+        SPLIT=splits > 1, PDL=pdl(x.device), num_warps=tiles.num_warps,
+        launch_pdl=pdl(x.device))
     _split_activation(part, act, splits)
     out = torch.empty_like(x)
     token_down_kernel[(n, triton.cdiv(hidden, tiles.down_block_n))](
@@ -309,7 +312,8 @@ def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Te
         *_strides(s2), 0 if shared is None else shared.stride(0), out.stride(0),
         TOP_K=triton.next_power_of_2(top_k), BLOCK_N=tiles.down_block_n,
         BLOCK_K=tiles.down_block_k, GROUP=experts.group, HAS_SHARED=shared is not None,
-        EVEN_K=inter % tiles.down_block_k == 0, num_warps=tiles.num_warps)
+        EVEN_K=inter % tiles.down_block_k == 0, PDL=pdl(x.device), num_warps=tiles.num_warps,
+        launch_pdl=pdl(x.device))
     return out
 
 
@@ -339,7 +343,8 @@ def _split_activation(part: torch.Tensor, act: torch.Tensor, splits: int) -> Non
     if splits > 1:
         inter = act.shape[1]
         _split_activation_kernel[(act.shape[0], triton.cdiv(inter, 256))](
-            part, act, splits, inter, part.stride(0), part.stride(1), act.stride(0), BLOCK=256)
+            part, act, splits, inter, part.stride(0), part.stride(1), act.stride(0), BLOCK=256,
+            PDL=pdl(act.device), launch_pdl=pdl(act.device))
 
 
 def _strides(scale: torch.Tensor | None) -> tuple[int, int]:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from flashtree.layers import programs_to_fill
+from flashtree.pdl import pdl, wait_for_previous
 
 _BLOCK_N, _BLOCK_K, _WARPS, _STAGES = 8, 512, 4, 3  # see benchmarks/kernels.py --sections gemv
 _SHORT_BLOCK_K = 1024
@@ -26,31 +27,55 @@ _ROWS_BLOCK_N, _ROWS_BLOCK_K = 32, 64  # benchmarks/kernels.py --sections router
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, g_ptr, n, k, stride_w, eps,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
-    # One program per BLOCK_N outputs: stream their weight rows, accumulate in float32. With
-    # NORM, x is first RMS-normalised with weight g, rounded as `fused.rms_norm` rounds it
-    # (each program sums x's squares itself: x is one short row, the weight is the traffic).
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
+def _gemv_input(x_ptr, g_ptr, c, k, rstd, NORM: tl.constexpr):
+    # x[c] in float32; under NORM RMS-normalised with weight g and rounded as
+    # `fused.rms_norm` rounds it (normalised, then times g, each to x's dtype).
+    x = tl.load(x_ptr + c, mask=c < k, other=0.0)
+    if NORM:
+        g = tl.load(g_ptr + c, mask=c < k, other=0.0).to(tl.float32)
+        x = ((x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * g).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_rstd(x_ptr, k, eps, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    # 1 / rms(x) under NORM, else 1. Each program sums x's squares itself: x is one short
+    # row, the weight is the traffic.
     rstd = 1.0
     if NORM:
+        cols = tl.arange(0, BLOCK_K)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for start in range(0, k, BLOCK_K):
             xs = tl.load(x_ptr + start + cols, mask=start + cols < k, other=0.0).to(tl.float32)
             squares += xs * xs
         rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / k + eps)
+    return rstd
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, g_ptr, n, k, stride_w, eps, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    # One program per BLOCK_N outputs: stream their weight rows, accumulate in float32. With
+    # PDL the first weight tile (nobody's output) loads while the kernel before finishes;
+    # with NORM, x is RMS-normalised as it is read.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
+    first = 0
+    if PDL:
+        w = tl.load(w_rows + cols[None, :], mask=(rows[:, None] < n) & (cols[None, :] < k),
+                    other=0.0)
+        wait_for_previous(PDL)
+        rstd = _gemv_rstd(x_ptr, k, eps, BLOCK_K, NORM)
+        acc += w.to(tl.float32) * _gemv_input(x_ptr, g_ptr, cols, k, rstd, NORM)[None, :]
+        first = BLOCK_K
+    else:
+        rstd = _gemv_rstd(x_ptr, k, eps, BLOCK_K, NORM)
+    for start in range(first, k, BLOCK_K):
         c = start + cols
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + c[None, :],
-                    mask=(rows[:, None] < n) & (c[None, :] < k), other=0.0)
-        x = tl.load(x_ptr + c, mask=c < k, other=0.0)
-        if NORM:
-            g = tl.load(g_ptr + c, mask=c < k, other=0.0).to(tl.float32)
-            normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
-            x = (normed * g).to(x.dtype)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = tl.load(w_rows + c[None, :], mask=(rows[:, None] < n) & (c[None, :] < k), other=0.0)
+        acc += w.to(tl.float32) * _gemv_input(x_ptr, g_ptr, c, k, rstd, NORM)[None, :]
     tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=rows < n)
 
 
@@ -104,10 +129,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     block_n, block_k = launch_shape(n, x.device)
     g, eps = norm if norm is not None else (x_row, 0.0)  # x_row: an unread stand-in
     assert g.shape == (k,) and g.is_contiguous(), f"norm weight {tuple(g.shape)} for k = {k}"
+    use_pdl = pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x_row, weight, y, g, n, k, weight.stride(0), eps,
                                              BLOCK_N=block_n, BLOCK_K=block_k,
-                                             NORM=norm is not None, num_warps=_WARPS,
-                                             num_stages=_STAGES)
+                                             NORM=norm is not None, PDL=use_pdl,
+                                             num_warps=_WARPS, num_stages=_STAGES,
+                                             launch_pdl=use_pdl)
     return y
 
 

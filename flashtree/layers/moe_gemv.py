@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashtree.pdl import wait_for_previous
+
 _MAGIC = tl.constexpr(0x4B000000)  # float 2^23: a nibble OR'd into its mantissa reads 2^23 + it
 _MAGIC_PLUS_ZERO = tl.constexpr(8388616.0)  # 2^23 + 8, the stored offset of a signed nibble
 
@@ -62,10 +64,12 @@ def _int4_gemv_tile(acc, a_row, w, s, rows, rows_ok, k0, k_total, stride_wn, str
 def pair_gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, first_expert, num_experts,
                         top_k, hidden, inter, k_per_split, stride_xt, stride_we, stride_wn,
                         stride_se, stride_sn, stride_os, stride_ot, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
+                        PDL: tl.constexpr):
     # out[pair, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for BLOCK_N columns
     # of one pair; with SPLIT, this split's share of the input dim in float32:
     # out[split, pair, n] = x . gate[e, n] and out[split, pair, inter + n] = x . up[e, n].
+    wait_for_previous(PDL)  # the weights to read come from the router's ids
     pair = tl.program_id(0)
     expert = (tl.load(ids_ptr + pair) - first_expert).to(tl.int32)
     if (expert < 0) | (expert >= num_experts):  # another rank's pair
@@ -97,11 +101,13 @@ def token_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, shared_ptr, out_ptr, i
                       first_expert, num_experts, top_k, hidden, inter, stride_at, stride_we,
                       stride_wn, stride_se, stride_sn, stride_st, stride_ot,
                       TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP: tl.constexpr, HAS_SHARED: tl.constexpr, EVEN_K: tl.constexpr):
+                      GROUP: tl.constexpr, HAS_SHARED: tl.constexpr, EVEN_K: tl.constexpr,
+                      PDL: tl.constexpr):
     # out[t, n] = sum over t's pairs on this rank of routing weight * (act[pair] . down[e, n]),
     # each pair's term rounded as the eager path rounds it, plus shared[t, n] where given.
     # All top_k slots (TOP_K, its power of two) are one [TOP_K, BLOCK_N, BLOCK_K / 8] tile, so
     # every slot's weights are in flight at once; a slot on another rank loads and adds nothing.
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from flashtree.layers.config import MoEConfig
+from flashtree.pdl import pdl, wait_for_previous
 
 
 @triton.jit
@@ -18,7 +19,8 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, strid
                   E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr,
                   G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
-                  RENORM: tl.constexpr):
+                  RENORM: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     real = e < num_experts
@@ -78,5 +80,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConfig
             SOFTMAX=cfg.scoring_func == "softmax", HAS_BIAS=bias is not None,
             N_GROUP=cfg.n_group, G_PAD=triton.next_power_of_2(cfg.n_group),
             TOPK_GROUP=cfg.topk_group, GROUP_TOP2=cfg.topk_method == "noaux_tc",
-            RENORM=cfg.norm_topk_prob, num_warps=4)
+            RENORM=cfg.norm_topk_prob, PDL=pdl(logits.device), launch_pdl=pdl(logits.device),
+            num_warps=4)
     return weights, ids

@@ -32,6 +32,10 @@ STREAMING = ["gemv", "gemv:rows", "gemv:normed"] + [f"fused:{k}" for k in (
 PAIR_GEMVS = ["moe:pair_gate_up_kernel:int4", "moe:token_down_kernel:int4",
               "moe:pair_gate_up_kernel:int4-split"]
 STREAMING += PAIR_GEMVS
+PDL_KERNELS = ["gemv", "fused:rms_norm", "fused:rms_norm_residual", "fused:silu_mul",
+               "router:kimi", "router:deepseek", "moe:_split_activation_kernel:bf16",
+               "fused:mla_prologue", "merge:all-rows", "merge:written-rows", "attention:mla",
+               "attention:mla-rank", *PAIR_GEMVS]
 CASES = [f"moe:{k}:{w}" for k in ("_gate_up_kernel", "_down_kernel")
          for w in ("bf16", "int4", "fp8", "bf16-per-pair")] + [
     "moe:_gate_up_kernel:int4-split", "moe:_split_activation_kernel:bf16", "grouping",
@@ -64,6 +68,8 @@ def test_kernel_compiles_for_sm90(reports, case):
         assert reports[case]["wgmma"] > 0, reports[case]
     if case == "gemv:rows":  # tensor cores: a float32 dot on the FMA units ran at 0.3 TB/s
         assert reports[case]["mma"] > 0, reports[case]
+    if case in PDL_KERNELS:  # launched with PDL on Hopper: each waits for the one before
+        assert reports[case]["gdc_waits"] > 0, reports[case]
     if case in STREAMING:  # a spill in a bandwidth-bound kernel adds memory traffic per element
         assert reports[case]["spill_bytes"] == 0, reports[case]
 
@@ -119,7 +125,8 @@ def compile_sm90(fn, constants: dict, pointers: dict[str, str], tmp_path: Path,
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stderr))
     registers = int(re.search(r"Used (\d+) registers", report.stderr).group(1))
     return {"compiled": True, "registers": registers, "spill_bytes": spills,
-            "wgmma": module.count("wgmma.mma_async"), "mma": module.count("mma.sync")}
+            "wgmma": module.count("wgmma.mma_async"), "mma": module.count("mma.sync"),
+            "gdc_waits": module.count("griddepcontrol.wait")}
 
 
 def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
@@ -131,7 +138,7 @@ def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
     from flashtree.layers.stacked_experts import StackedExperts
 
     if kernel == "_split_activation_kernel":
-        return compile_sm90(fused_moe._split_activation_kernel, dict(BLOCK=256),
+        return compile_sm90(fused_moe._split_activation_kernel, dict(BLOCK=256, PDL=True),
                             dict(part_ptr="fp32", act_ptr="bf16"), tmp_path)
     weights, variant = weights.partition("-")[::2]
     group, fp8 = {"bf16": (0, None), "int4": (32, None), "fp8": (0, (128, 128))}[weights]
@@ -144,7 +151,7 @@ def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
         pair = fused_moe.PairTiles()
         down = kernel == "token_down_kernel"
         constants = dict(GROUP=group, BLOCK_N=pair.down_block_n if down else pair.block_n,
-                         BLOCK_K=pair.down_block_k if down else pair.block_k)
+                         BLOCK_K=pair.down_block_k if down else pair.block_k, PDL=True)
         if down:
             constants.update(HAS_SHARED=True, TOP_K=8, EVEN_K=True)  # Kimi's and Qwen3-MoE's top_k
         num_warps, module = pair.num_warps, moe_gemv
@@ -177,7 +184,7 @@ def merge_case(written_rows_only: bool, tmp_path: Path) -> dict:
     from flashtree.attention.triton_common import _merge_splits_kernel
 
     constants = dict(GROUP=8, HEAD_DIM=512, BLOCK_D=512, BLOCK_DC=64, BLOCK_M=64, NUM_SPLITS=4,
-                     BLOCK_SPLITS=4, WRITTEN_ROWS_ONLY=written_rows_only)
+                     BLOCK_SPLITS=4, WRITTEN_ROWS_ONLY=written_rows_only, PDL=True)
     return compile_sm90(_merge_splits_kernel, constants,
                         dict(out_ptr="bf16", part_acc_ptr="fp32", part_m_ptr="fp32",
                              part_l_ptr="fp32", query_start_ptr="i64"), tmp_path)
@@ -191,7 +198,7 @@ def router_case(model: str, tmp_path: Path) -> dict:
     groups = dict(kimi=(1, 1), deepseek=(8, 4))[model]
     constants = dict(E_PAD=512 if model == "kimi" else 256, TOP_K=8, K_PAD=8, SOFTMAX=False,
                      HAS_BIAS=True, N_GROUP=groups[0], G_PAD=groups[0], TOPK_GROUP=groups[1],
-                     GROUP_TOP2=True, RENORM=True)
+                     GROUP_TOP2=True, RENORM=True, PDL=True)
     return compile_sm90(_route_kernel, constants,
                         dict(logits_ptr="fp32", bias_ptr="fp32", weights_ptr="fp32",
                              ids_ptr="i64"), tmp_path, 4, ("num_experts", "stride_t"))
@@ -214,7 +221,8 @@ def attention_case(mla: str, tmp_path: Path) -> dict:
         num_warps = tile.pop("num_warps")
         tile.pop("num_stages")
         return compile_sm90(latent_attention_kernel,
-                            dict(constants, HEADS=heads, HALF=256, TAIL=64, BLOCK_TAIL=64, **tile),
+                            dict(constants, HEADS=heads, HALF=256, TAIL=64, BLOCK_TAIL=64,
+                                 PDL=True, **tile),
                             dict(pointers, kv_ptr="bf16"), tmp_path, num_warps, strides)
     constants.update(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=32,
                      HAS_WINDOW=False)
@@ -236,7 +244,7 @@ def gemv_case(variant: str, tmp_path: Path) -> dict:
                             ("k", "k_per_split", "stride_x", "stride_w"))
     return compile_sm90(gemv._gemv_kernel,
                         dict(BLOCK_N=gemv._BLOCK_N, BLOCK_K=gemv._BLOCK_K,
-                             NORM=variant == "normed"),
+                             NORM=variant == "normed", PDL=True),
                         dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16", g_ptr="bf16"), tmp_path,
                         gemv._WARPS, ("k", "stride_w"))
 
@@ -250,7 +258,7 @@ def fused_case(kernel: str, tmp_path: Path) -> dict:
     if kernel.startswith("rms_norm"):
         strides = ("stride_xt", "stride_rt", "stride_ot", "stride_st", "dim")
         return compile_sm90(fused._rms_norm_kernel,
-                            dict(HAS_RESIDUAL=kernel.endswith("residual"), BLOCK=4096),
+                            dict(HAS_RESIDUAL=kernel.endswith("residual"), BLOCK=4096, PDL=True),
                             dict.fromkeys(("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr"),
                                           "bf16"), tmp_path, 4, strides)
     if kernel == "mla_prologue":  # a Kimi K2.6 rank's: latent 512, rope 64, interleaved
@@ -260,12 +268,13 @@ def fused_case(kernel: str, tmp_path: Path) -> dict:
                                   "cache_ptr"), "bf16")
         pointers.update(cos_ptr="fp32", sin_ptr="fp32", slots_ptr="i64")
         return compile_sm90(fused_mla._mla_prologue_kernel,
-                            dict(INTERLEAVED=True, BLOCK_LATENT=512, BLOCK_HALF=32), pointers,
+                            dict(INTERLEAVED=True, BLOCK_LATENT=512, BLOCK_HALF=32, PDL=True),
+                            pointers,
                             tmp_path, 4, ("stride_lt", "stride_pt", "stride_ph", "stride_kt",
                                           "stride_ct", "stride_ot", "stride_oh", "stride_cs",
                                           "latent", "half"))
     if kernel == "silu_mul":
-        return compile_sm90(fused._silu_mul_kernel, dict(BLOCK=1024),
+        return compile_sm90(fused._silu_mul_kernel, dict(BLOCK=1024, PDL=True),
                             dict(x_ptr="bf16", out_ptr="bf16"), tmp_path, 4,
                             ("stride_xt", "stride_ot", "inter"))
     to_slots = kernel == "norm_rope_to_cache"
