@@ -832,12 +832,13 @@ def _c1_lines(c1: dict) -> list[str]:
               f"{c1['ddtree_topk_cap']['topk_cap']}", c1["ddtree_topk_cap"]),
              (f"DDTree budget {c1['best_budget']} (adaptive)", c1["ddtree_adaptive"])]
     lines = [f"## Concurrency 1 ({c1['prompts']} prompts one after another)", "",
-             "| method | tokens/s | x none | tokens/step | equal to plain |",
+             "| method | tokens/s | x none | tokens/step (± s.e.) | equal to plain |",
              "|---|---|---|---|---|"]
     for name, v in rows:
         eq = "-" if v.get("equal_to_plain") is None else f"{v['equal_to_plain']:.0%}"
+        se = "" if v.get("tau_se") is None else f" ± {v['tau_se']:.2f}"
         lines.append(f"| {name} | {v['tokens_per_s']:.1f} | {v['tokens_per_s'] / none:.2f} | "
-                     f"{v['tau']:.2f} | {eq} |")
+                     f"{v['tau']:.2f}{se} | {eq} |")
     return lines + ["", f"Best DDTree budget: {c1['best_budget']}.", ""]
 
 
@@ -954,7 +955,8 @@ def main() -> None:
     ap.add_argument("--trees", type=int_list, default=[2**i for i in range(10)], help="verify's")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--copy-mib", type=int, default=2048)
-    ap.add_argument("--prompts", type=int, default=4, help="prompts at concurrency 1")
+    ap.add_argument("--prompts", type=int, default=16,
+                    help="prompts at concurrency 1 (fewer: tokens/step too noisy to rank budgets)")
     ap.add_argument("--skip", type=int, default=48, help="tokens per request before timing")
     ap.add_argument("--tokens", type=int, default=256, help="timed tokens per request")
     ap.add_argument("--trials", type=int, default=256, help="Monte Carlo trials per setting")
