@@ -26,8 +26,8 @@ from flashtree.layers import programs_to_fill
 from flashtree.layers.int4_unpack import scaled_planes
 from flashtree.layers.moe_align import BLOCK_M, align_by_expert
 from flashtree.layers.moe_gemv import pair_gate_up_kernel, silu_mul, token_down_kernel
-from flashtree.pdl import pdl, wait_for_previous
 from flashtree.layers.stacked_experts import StackedExperts
+from flashtree.pdl import pdl, wait_for_previous
 
 PER_PAIR_MAX = 64  # at most this many pairs: a block per pair, no grouping launch
 
