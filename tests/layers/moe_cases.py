@@ -23,6 +23,7 @@ CASES = [
     (2, 8, 2, 384, 128, 0, 8),  # gate/up's input dim split (INT4: tiles wider than it)
     (2, 8, 2, 1536, 64, 0, 8),  # gate/up's input dim split over programs (INT4 too)
     (20, 8, 4, 512, 32, 0, 8),  # grouped, gate/up's input dim split over programs
+    (2, 8, 2, 4096, 64, 0, 8),  # INT4 per pair on the CPU: each split's loop over 2 tiles
     (4, 16, 3, 64, 48, 4, 8),  # a top_k not a power of two, expert parallel, GEMVs per pair
 ]
 
