@@ -736,22 +736,27 @@ def summary(res: dict) -> dict:
 
 
 def _sweep_keys(sw: dict) -> dict:
-    """The lowest adaptive speedup over `none` and over the best fixed policy per concurrency,
-    and the lowest 95% lower bound of the adaptive methods' round-by-round ratios."""
+    """The lowest adaptive speedup over `none`; the lowest of adaptive DDTree over the best
+    fixed policy per concurrency (issue 65's goal), DFlash's beside it; and the lowest 95%
+    lower bound of the adaptive methods' round-by-round ratios."""
     rate = {name: [sum(r["tokens_per_s"] for r in row["runs"]) / len(row["runs"])
                    for row in rows] for name, rows in sw["rows"].items()}
-    over_none, over_fixed, lows = [], [], []
+    over_none, over_fixed, lows = [], {}, []
     for spec in ("dflash", "ddtree"):
         fixed = [rows for name, rows in rate.items() if name.startswith(f"{spec}:fixed")]
         for none, adaptive, *fixed_at in zip(rate.get("none", []), rate.get(spec, []), *fixed):
             over_none.append(adaptive / none)
-            over_fixed.append(adaptive / max(none, *fixed_at))
+            over_fixed.setdefault(spec, []).append(adaptive / max(none, *fixed_at))
         if spec in sw["rows"] and "none" in sw["rows"]:
             lows += [i[0] for level in range(len(sw["levels"]))
                      if (i := mean_interval(_round_ratios(sw, spec, level))) is not None]
     out = {}
     if over_none:
-        out.update(min_spec_over_none=min(over_none), min_adaptive_over_best_fixed=min(over_fixed))
+        out["min_spec_over_none"] = min(over_none)
+    if "ddtree" in over_fixed:
+        out["min_adaptive_over_best_fixed"] = min(over_fixed["ddtree"])
+    if "dflash" in over_fixed:
+        out["min_adaptive_dflash_over_best_fixed"] = min(over_fixed["dflash"])
     if lows:
         out["min_spec_over_none_low"] = float(min(lows))
     return out

@@ -81,13 +81,13 @@ class CandidateBuilder:
             for budget in self.cfg.budgets:
                 self.tree_nodes(top_lp, top_tok, roots, budget=budget)
 
-    def on_device(self, seqs: list[Sequence], logits: torch.Tensor, budget: int
+    def on_device(self, logits: torch.Tensor, roots: torch.Tensor, budget: int
                   ) -> DeviceCandidates:
         """Every request's candidates without a host read: greedy DDTrees of `budget` nodes, or
         the argmax chains of greedy DFlash blocks. logits: [R * (block_size - 1), V_rank], this
-        TP rank's vocab slice of every request's whole draft block."""
-        r, depth = len(seqs), self.cfg.block_size - 1
-        roots = to_device([s.last_token for s in seqs], logits.device)
+        TP rank's vocab slice of every request's whole draft block; roots: [R] their bonus
+        tokens, on the device."""
+        r, depth = roots.shape[0], self.cfg.block_size - 1
         if self.cfg.method == "ddtree":
             nodes, visible = self._trees(logits.unflatten(0, (r, depth)), roots, False, budget)
             return DeviceCandidates(nodes[:, 0], nodes[:, 1], nodes[:, 2], visible, nodes[:, 3])

@@ -8,6 +8,8 @@ batch bucket and tree size where the target's forwards do."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashtree.distributed.vocab import vocab_argmax
@@ -17,7 +19,7 @@ from flashtree.runner.forward_batch import BatchItem, Mode
 from flashtree.runner.model_runner import ModelRunner
 from flashtree.sequence import Sequence
 from flashtree.speculative.acceptance import greedy_walk
-from flashtree.speculative.proposer import ContextRows, DFlashProposer
+from flashtree.speculative.proposer import Ahead, ContextRows, DFlashProposer
 from flashtree.speculative.types import DeviceCandidates, Walk
 from flashtree.transfer import start_to_host, to_device
 
@@ -66,12 +68,15 @@ class DeviceVerifier:
                     self.walks(nodes, nodes, nodes, nodes, nodes, nodes[:, 0],
                                scratch=self._scratch)
 
-    def verify(self, seqs: list[Sequence], cands: DeviceCandidates
+    def verify(self, seqs: list[Sequence], cands: DeviceCandidates,
+               queue_candidates: Callable[[Ahead, torch.Tensor], None] | None = None
                ) -> tuple[list[Walk], list[list[int] | None]]:
         """Verify and commit on the device; return per request the accepted nodes (root
         first) and the committed tokens (accepted drafts + the bonus), and the accepted
         drafts' selection ranks (trees; None for chains). The target and draft caches hold the
-        accepted nodes at logical indices start.. (page lengths are the caller's to set)."""
+        accepted nodes at logical indices start.. (page lengths are the caller's to set).
+        Where the next step's drafts are queued before the read, `queue_candidates(ahead,
+        bonus tokens)` queues its candidates behind them."""
         r, n = cands.tokens.shape
         device = cands.tokens.device
         starts = to_device([s.num_computed for s in seqs], device)
@@ -103,6 +108,8 @@ class DeviceVerifier:
             ahead = self.proposer.draft_ahead([s.seq_id for s in seqs],
                                               [s.num_computed for s in seqs], result[:, 0],
                                               result[:, 1], most=most)
+            if ahead is not None and queue_candidates is not None:
+                queue_candidates(ahead, result[:, 1])
         walks, expected, ranks = [], [], []
         for s, (count, bonus, *rest) in zip(seqs, read().tolist()):
             nodes, tokens = rest[:n][:count], rest[n : 2 * n][:count]

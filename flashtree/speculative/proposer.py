@@ -31,12 +31,14 @@ _MAX_DEFERRED_ROWS = 16384  # rows held for the next draft before injecting them
 @dataclass
 class Ahead:
     """A next step's draft logits, queued early (`DFlashProposer.draft_ahead`), and the blocks
-    they answer, set once the host knows them."""
+    they answer, set once the host knows them; the step may queue its candidates from them too
+    (`budget`, what the step builds from the logits)."""
 
     logits: torch.Tensor
     gather: bool
     first: torch.Tensor  # [R] each block's first (bonus) position, on the device
     blocks: list[tuple[int, int, int, int]] | None = None
+    candidates: tuple[int, object] | None = None
 
 
 @dataclass(frozen=True)
@@ -227,9 +229,15 @@ class DFlashProposer:
                       ) -> torch.Tensor | None:
         """The logits `draft_ahead` queued, if they answer exactly `blocks` (taken: asked
         once)."""
-        ahead, self._ahead = self._ahead, None
+        ahead, self._ahead = self.peek_ahead(blocks, gather), None
+        return None if ahead is None else ahead.logits
+
+    def peek_ahead(self, blocks: list[tuple[int, int, int, int]], gather: bool
+                   ) -> Ahead | None:
+        """What `draft_ahead` queued, if it answers exactly `blocks` (not taken)."""
+        ahead = self._ahead
         if ahead is not None and ahead.blocks == list(blocks) and ahead.gather == gather:
-            return ahead.logits
+            return ahead
         return None
 
     @torch.inference_mode()

@@ -19,8 +19,8 @@ from flashtree.sequence import Sequence
 from flashtree.speculative.acceptance import accept
 from flashtree.speculative.candidate_builder import CandidateBuilder
 from flashtree.speculative.device_verifier import DeviceVerifier
-from flashtree.speculative.proposer import ContextRows, DFlashProposer
-from flashtree.speculative.types import Candidates, Verified, Walk
+from flashtree.speculative.proposer import Ahead, ContextRows, DFlashProposer
+from flashtree.speculative.types import Candidates, DeviceCandidates, Verified, Walk
 from flashtree.structured_output import mask_by_grammar
 from flashtree.transfer import to_device
 
@@ -57,17 +57,35 @@ class SpeculativeStep:
                ) -> torch.Tensor | None:
         """One drafter forward for every block of more than the bonus token: logits
         [sum(b - 1), V] (the whole vocabulary when `full`, else this TP rank's slice)."""
-        blocks = [(s.seq_id, s.num_computed, s.last_token, b) for s, b in zip(seqs, sizes) if b > 1]
+        blocks = _blocks(seqs, sizes)
         return self.proposer.draft_logits(blocks, gather=full) if blocks else None
 
     def _on_device(self, seqs: list[Sequence], sizes: list[int], budget: int
                    ) -> list[Verified]:
-        logits = self._draft(seqs, sizes, full=False)
-        assert logits is not None, "every request of a device step drafts a whole block"
-        cands = self.builder.on_device(seqs, logits, budget)
-        walks, ranks = self.device_verifier.verify(seqs, cands)
+        cands = self._candidates_ahead(seqs, sizes, budget)
+        if cands is None:
+            logits = self._draft(seqs, sizes, full=False)
+            assert logits is not None, "every request of a device step drafts a whole block"
+            roots = to_device([s.last_token for s in seqs], logits.device)
+            cands = self.builder.on_device(logits, roots, budget)
+
+        def queue_candidates(ahead: Ahead, roots: torch.Tensor) -> None:
+            # The next step's candidates, queued behind its drafts while the host finishes.
+            ahead.candidates = (budget, self.builder.on_device(ahead.logits, roots, budget))
+
+        walks, ranks = self.device_verifier.verify(seqs, cands, queue_candidates)
         n = cands.tokens.shape[1]
         return self._commit(seqs, walks, [n] * len(seqs), [None] * len(seqs), ranks)
+
+    def _candidates_ahead(self, seqs: list[Sequence], sizes: list[int], budget: int
+                          ) -> DeviceCandidates | None:
+        """The candidates the last step queued for these blocks at `budget` (taken), if any."""
+        blocks = _blocks(seqs, sizes)
+        ahead = self.proposer.peek_ahead(blocks, gather=False)
+        if ahead is None or ahead.candidates is None or ahead.candidates[0] != budget:
+            return None
+        self.proposer.drafted_ahead(blocks, gather=False)
+        return ahead.candidates[1]
 
     def _on_host(self, seqs: list[Sequence], sizes: list[int], budget: int
                  ) -> list[Verified]:
@@ -130,6 +148,11 @@ class SpeculativeStep:
         kept_features = features[to_device(kept_rows, features.device)]
         self.proposer.inject([ContextRows(kept_features, tuple(
             (seq_id, start, len(path)) for seq_id, start, path in kept))])
+
+
+def _blocks(seqs: list[Sequence], sizes: list[int]) -> list[tuple[int, int, int, int]]:
+    """(seq_id, committed length, bonus token, block size) of every block that drafts."""
+    return [(s.seq_id, s.num_computed, s.last_token, b) for s, b in zip(seqs, sizes) if b > 1]
 
 
 def _path_logits(seqs: list[Sequence], walks: list[Walk], counts: list[int],
