@@ -306,11 +306,16 @@ def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Te
         launch_pdl=pdl(x.device))
     _split_activation(part, act, splits)
     out = torch.empty_like(x)
-    token_down_kernel[(n, triton.cdiv(hidden, tiles.down_block_n))](
+    # Expert parallel: most of a token's slots are other ranks', so a tile takes one slot
+    # (skipped when not this rank's) and as many more rows as the slots it leaves out.
+    top_k_tile = triton.next_power_of_2(top_k)
+    slots = top_k_tile if num_experts == routed_experts else 1
+    down_rows = tiles.down_block_n * top_k_tile // slots
+    token_down_kernel[(n, triton.cdiv(hidden, down_rows))](
         act, w2, s2, weights, x if shared is None else shared, out, ids, first_expert,
         num_experts, top_k, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
         *_strides(s2), 0 if shared is None else shared.stride(0), out.stride(0),
-        TOP_K=triton.next_power_of_2(top_k), BLOCK_N=tiles.down_block_n,
+        TOP_K=top_k_tile, SLOTS=slots, BLOCK_N=down_rows,
         BLOCK_K=tiles.down_block_k, GROUP=experts.group, HAS_SHARED=shared is not None,
         EVEN_K=inter % tiles.down_block_k == 0, PDL=pdl(x.device), num_warps=tiles.num_warps,
         launch_pdl=pdl(x.device))

@@ -97,28 +97,15 @@ def pair_gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, first_expert, num
 
 
 @triton.jit
-def token_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, shared_ptr, out_ptr, ids_ptr,
-                      first_expert, num_experts, top_k, hidden, inter, stride_at, stride_we,
-                      stride_wn, stride_se, stride_sn, stride_st, stride_ot,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP: tl.constexpr, HAS_SHARED: tl.constexpr, EVEN_K: tl.constexpr,
-                      PDL: tl.constexpr):
-    # out[t, n] = sum over t's pairs on this rank of routing weight * (act[pair] . down[e, n]),
-    # each pair's term rounded as the eager path rounds it, plus shared[t, n] where given.
-    # All top_k slots (TOP_K, its power of two) are one [TOP_K, BLOCK_N, BLOCK_K / 8] tile, so
-    # every slot's weights are in flight at once; a slot on another rank loads and adds nothing.
-    wait_for_previous(PDL)
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_ok = cols < hidden
-    dtype = out_ptr.dtype.element_ty
-    slot = tl.arange(0, TOP_K)
-    pair = t * top_k + slot
-    expert = (tl.load(ids_ptr + pair, mask=slot < top_k, other=-1) - first_expert).to(tl.int32)
-    mine = (expert >= 0) & (expert < num_experts)
+def _int4_down_slots(act_ptr, w_ptr, s_ptr, weights_ptr, pair, expert, mine, cols, cols_ok,
+                     inter, stride_at, stride_we, stride_wn, stride_se, stride_sn, dtype,
+                     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    # The float32 sum over these SLOTS pairs (`mine`: on this rank) of each pair's routing
+    # weight * (act[pair] . down[expert, cols]), each term rounded to `dtype` as eager rounds.
     w_slot = w_ptr + tl.where(mine, expert, 0).to(tl.int64) * stride_we
     s_slot = s_ptr + tl.where(mine, expert, 0).to(tl.int64) * stride_se
-    acc = tl.zeros((TOP_K, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         kw_ok = (kw < inter // 8) | EVEN_K  # EVEN_K: no mask, so words load 16 bytes at a time
@@ -131,7 +118,39 @@ def token_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, shared_ptr, out_ptr, i
                               mine[:, None] & kw_ok[None, :])
     routing = tl.load(weights_ptr + pair, mask=mine, other=0.0)
     term = (tl.sum(acc, 2).to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
-    y = tl.sum(term.to(tl.float32), 0).to(dtype)  # another rank's slot: its masked loads give 0
+    return tl.sum(term.to(tl.float32), 0)  # another rank's slot: its masked loads give 0
+
+
+@triton.jit
+def token_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, shared_ptr, out_ptr, ids_ptr,
+                      first_expert, num_experts, top_k, hidden, inter, stride_at, stride_we,
+                      stride_wn, stride_se, stride_sn, stride_st, stride_ot,
+                      TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP: tl.constexpr, HAS_SHARED: tl.constexpr,
+                      EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    # out[t, n] = sum over t's pairs on this rank of routing weight * (act[pair] . down[e, n]),
+    # each pair's term rounded as the eager path rounds it, plus shared[t, n] where given.
+    # The top_k slots (TOP_K, its power of two) go SLOTS at a time as one [SLOTS, BLOCK_N,
+    # BLOCK_K / 8] tile, so those slots' weights are in flight at once: all of them where every
+    # expert is on this rank; one where most are not (expert parallel), so that a slot on
+    # another rank is skipped, not multiplied by zeros.
+    wait_for_previous(PDL)
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < hidden
+    dtype = out_ptr.dtype.element_ty
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for first_slot in tl.static_range(0, TOP_K, SLOTS):
+        slot = first_slot + tl.arange(0, SLOTS)
+        pair = t * top_k + slot
+        expert = (tl.load(ids_ptr + pair, mask=slot < top_k, other=-1)
+                  - first_expert).to(tl.int32)
+        mine = (expert >= 0) & (expert < num_experts)
+        if tl.max(mine.to(tl.int32), 0) > 0:
+            y += _int4_down_slots(act_ptr, w_ptr, s_ptr, weights_ptr, pair, expert, mine, cols,
+                                  cols_ok, inter, stride_at, stride_we, stride_wn, stride_se,
+                                  stride_sn, dtype, SLOTS, BLOCK_N, BLOCK_K, GROUP, EVEN_K)
+    y = y.to(dtype)
     if HAS_SHARED:
         shared = tl.load(shared_ptr + t * stride_st + cols, mask=cols_ok, other=0.0)
         y = (y.to(tl.float32) + shared.to(tl.float32)).to(dtype)

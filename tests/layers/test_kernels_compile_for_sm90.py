@@ -30,7 +30,7 @@ STREAMING = ["gemv", "gemv:rows", "gemv:normed"] + [f"fused:{k}" for k in (
     "rms_norm", "rms_norm_residual", "silu_mul", "norm_rope", "norm_rope_to_cache",
     "mla_prologue")]
 PAIR_GEMVS = ["moe:pair_gate_up_kernel:int4", "moe:token_down_kernel:int4",
-              "moe:pair_gate_up_kernel:int4-split"]
+              "moe:token_down_kernel:int4-ep", "moe:pair_gate_up_kernel:int4-split"]
 STREAMING += PAIR_GEMVS
 PDL_KERNELS = ["gemv", "fused:rms_norm", "fused:rms_norm_residual", "fused:silu_mul",
                "router:kimi", "router:deepseek", "moe:_split_activation_kernel:bf16",
@@ -152,8 +152,10 @@ def moe_case(kernel: str, weights: str, tmp_path: Path) -> dict:
         down = kernel == "token_down_kernel"
         constants = dict(GROUP=group, BLOCK_N=pair.down_block_n if down else pair.block_n,
                          BLOCK_K=pair.down_block_k if down else pair.block_k, PDL=True)
-        if down:
-            constants.update(HAS_SHARED=True, TOP_K=8, EVEN_K=True)  # Kimi's and Qwen3-MoE's top_k
+        if down:  # Kimi's and Qwen3-MoE's top_k; expert parallel: a slot a tile, 8x the rows
+            ep = variant == "ep"
+            constants.update(HAS_SHARED=True, TOP_K=8, SLOTS=1 if ep else 8, EVEN_K=True,
+                             BLOCK_N=pair.down_block_n * (8 if ep else 1))
         num_warps, module = pair.num_warps, moe_gemv
     else:
         tiles = fused_moe.default_tiles(StackedExperts(dummy, dummy, group=group, fp8_block=fp8))
