@@ -48,7 +48,7 @@ from flashtree.bench.metrics import tau_mean, tau_ratio
 from flashtree.bench.oracle import AcceptanceOracle, expected_tree_acceptance
 from flashtree.bench.peer import CompiledPeer
 from flashtree.bench.plots import speedup_plot
-from flashtree.bench.profile import profile_calls, profile_lines
+from flashtree.bench.profile import calls_made_at_most, profile_calls, profile_lines
 from flashtree.bench.random_pair import (
     DRAFTER_LAYOUT,
     parse_layout,
@@ -149,8 +149,8 @@ class Bench:
         if spec == "ddtree":
             kw.update(tree_budget=budget, topk_cap=topk_cap)
         # Room for the longest run (or verify) plus the largest tree.
-        longest = self.ctx + a.skip + max(a.tokens, a.sweep_tokens) + 64 + max(
-            *a.budgets, CALIBRATION_BUDGET)
+        longest = self.ctx + a.skip + max(a.tokens, a.sweep_tokens, self._profile_tokens()
+                                          ) + 64 + max(*a.budgets, CALIBRATION_BUDGET)
         if {"steps", "verify"} & set(a.sections.split(",")):
             longest = max(longest, max(a.verify_ctxs) + max(a.trees) + 64)
         build = rank_llm if a.layout else LLM.from_modules
@@ -158,6 +158,10 @@ class Bench:
                           max_model_len=longest, max_num_batched_tokens=8192,
                           enforce_eager=a.enforce_eager or eager, **kw)
         return self._llm
+
+    def _profile_tokens(self) -> int:
+        """Tokens a profiled request may commit: every step of every profiling pass a block."""
+        return self.block * calls_made_at_most(self.args.profile_steps)
 
     def shape_overrides(self) -> dict:
         return ({} if self.args.first_dense is None
@@ -409,7 +413,8 @@ class Bench:
             eng = llm.engine
             seqs = [eng.add_request(pr, SamplingParams(
                 temperature=1.0 if i < sampled else 0.0, seed=i, ignore_eos=True,
-                max_tokens=a.skip + a.tokens)) for i, pr in enumerate(prompts)]
+                max_tokens=a.skip + self._profile_tokens()))
+                for i, pr in enumerate(prompts)]
             while any(len(s.output_ids) < a.skip and not s.is_finished for s in seqs):
                 eng.step()
             before = sum(len(s.output_ids) for s in seqs)

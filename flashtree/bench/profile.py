@@ -23,6 +23,13 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 _READS = ("DtoH", "Device -> Pageable", "Device -> Pinned")
 
 
+def calls_made_at_most(calls: int) -> int:
+    """How many times `profile_calls(fn, device, calls)` calls `fn` at most (CUDA's sync-debug
+    pass included): a caller that stops it with `done` (requests out of tokens) gives it this
+    many calls' work, or a pass runs short."""
+    return 3 * calls + min(calls, 3)
+
+
 def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 8,
                   done: Callable[[], bool] = lambda: False, top: int = 12) -> dict:
     """Profile `calls` calls of `fn` (fewer once `done()`), four times over: timed bare, under
