@@ -6,6 +6,12 @@
 #
 #   benchmarks/side_by_side.sh prepare REF     # where the git history is: REF into $BEFORE
 #   benchmarks/side_by_side.sh run [ARGS...]   # on the GPU, $BEFORE beside the working tree
+#   benchmarks/side_by_side.sh profile [ARGS...]
+#
+# `profile` is for changes to the host's work in a step, which the steps' times replayed alone
+# do not see: the engine steps under the profiler (`--sections profile`: wall and GPU-busy
+# time per step), REF's and the working tree's alternately, ROUNDS times (default 3: the
+# host's noise moves a step's wall time by more than such a change).
 #
 # BEFORE (default .before, git-ignore it) holds REF's flashtree/ and benchmarks/ (no drafter
 # weights: the steps build random ones). ARGS go to both runs after `--sections steps`, e.g.
@@ -19,17 +25,31 @@ prepare)
     rm -rf "$before" && mkdir -p "$before"
     git archive "$2" flashtree benchmarks ':(exclude)flashtree/drafters' | tar -x -C "$before"
     echo "$2 is in $before";;
-run)
+run|profile)
+    kind=$1
     shift
     [[ -d $before/flashtree ]] || { echo "no $before/flashtree: run '$0 prepare REF' first" >&2
                                     exit 2; }
     mkdir -p "${OUT:=/tmp/side_by_side}"
     out=$(cd "$OUT" && pwd)
-    (cd "$before" && python -m benchmarks.speculative --sections steps "$@" \
-        --out "$out/before.md")
-    python -m benchmarks.speculative --sections steps "$@" --out "$out/after.md" \
-        --guard "$out/before.json";;
+    if [[ $kind == run ]]; then
+        (cd "$before" && python -m benchmarks.speculative --sections steps "$@" \
+            --out "$out/before.md")
+        python -m benchmarks.speculative --sections steps "$@" --out "$out/after.md" \
+            --guard "$out/before.json"
+        exit
+    fi
+    for round in $(seq "${ROUNDS:-3}"); do
+        for side in before after; do
+            report=$out/profile-$side-$round.md
+            if [[ $side == before ]]; then dir=$before; else dir=.; fi
+            (cd "$dir" && python -m benchmarks.speculative --sections profile "$@" \
+                --out "$report" >/dev/null)
+            grep -E '^\*\*(none|dflash|ddtree)\*\*' "$report" \
+                | sed -E "s/^/$side $round /; s/, [0-9.]+ (device reads|launches).*//"
+        done
+    done;;
 *)
-    echo "usage: $0 prepare REF | run [speculative.py ARGS...]" >&2
+    echo "usage: $0 prepare REF | run [speculative.py ARGS...] | profile [ARGS...]" >&2
     exit 2;;
 esac

@@ -46,3 +46,23 @@ def test_the_commit_before_and_the_working_tree_each_run_their_own_code(tmp_path
     for name in ("before", "after"):
         data = json.loads((tmp_path / "out" / f"{name}.json").read_text())
         assert data["steps"]["ar"]["1"]["ms"] > 0, name
+
+
+def test_profile_alternates_the_commit_before_and_the_working_tree(tmp_path):
+    """`profile`: each side's engine steps under the profiler, from its own code (a mark on
+    stderr from the commit's copy shows once), a line per method and side (one round here)."""
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode:
+        pytest.skip("not a git checkout: nothing to archive")
+    assert _side_by_side(tmp_path, "prepare", "HEAD").returncode == 0
+    with open(tmp_path / "before" / "flashtree" / "__init__.py", "a") as f:
+        f.write('\nimport sys\nprint("the commit before", file=sys.stderr)\n')
+    env = {**os.environ, "BEFORE": str(tmp_path / "before"), "OUT": str(tmp_path / "out"),
+           "ROUNDS": "1"}
+    run = subprocess.run(["bash", str(SCRIPT), "profile", *TINY, "--profile-steps", "2"],
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.stderr.count("the commit before") == 1
+    for side in ("before", "after"):
+        for method in ("none", "dflash", "ddtree"):
+            assert f"{side} 1 **{method}**: " in run.stdout, run.stdout
+    assert run.stdout.count("ms wall per call") == 6
