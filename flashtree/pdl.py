@@ -25,6 +25,12 @@ def pdl(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """A launch's PDL arguments on `device`: the kernel's `PDL` constexpr and `launch_pdl`."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     # Waits until the previous kernel has finished and its writes are visible, then lets

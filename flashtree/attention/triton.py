@@ -34,7 +34,7 @@ from flashtree.attention.triton_common import (
 )
 from flashtree.attention.triton_mla import latent_attention_kernel, latent_tile
 from flashtree.kv.cache import KVCache
-from flashtree.pdl import pdl
+from flashtree.pdl import pdl_args
 
 if TYPE_CHECKING:
     from flashtree.attention.flashinfer_mla import LatentDecode
@@ -254,7 +254,7 @@ class TritonBackend(AttentionBackend):
             BLOCK_TAIL=max(16, triton.next_power_of_2(tail)), NUM_SPLITS=splits,
             HAS_MASK=meta.new_token_mask is not None, CAUSAL=meta.causal,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **tile,
-            PDL=pdl(q.device), launch_pdl=pdl(q.device),
+            **pdl_args(q.device),
         )
         if splits > 1:
             merge_splits(out, (part_acc, part_m, part_l), meta.query_start, 1, num_m_tiles,

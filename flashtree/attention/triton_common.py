@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtree.pdl import pdl, wait_for_previous
+from flashtree.pdl import pdl_args, wait_for_previous
 
 LOG2E = 1.4426950408889634
 # Running max before any key: finite, so fully masked rows give p = 0.
@@ -116,6 +116,5 @@ def merge_splits(out: torch.Tensor, partials: tuple[torch.Tensor, ...], query_st
         out, *partials, query_start, out.stride(0), out.stride(1), num_kv_heads, num_m_tiles,
         GROUP=group, HEAD_DIM=out.shape[2], BLOCK_D=block_d, BLOCK_DC=chunk, BLOCK_M=block_m,
         NUM_SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
-        WRITTEN_ROWS_ONLY=written_rows_only, PDL=pdl(out.device), num_warps=4,
-        launch_pdl=pdl(out.device),
+        WRITTEN_ROWS_ONLY=written_rows_only, num_warps=4, **pdl_args(out.device),
     )

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtree.pdl import pdl, wait_for_previous
+from flashtree.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def rms_norm(
             x3.stride(0), x3.stride(1), res.stride(0), out.stride(0), out.stride(1),
             acc.stride(0), heads, dim, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(dim),
-            PDL=pdl(x.device), launch_pdl=pdl(x.device),
+            **pdl_args(x.device),
         )
     return out.view(x.shape), total
 
@@ -99,7 +99,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if n:
         _silu_mul_kernel[(n, triton.cdiv(inter, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
-            PDL=pdl(gate_up.device), launch_pdl=pdl(gate_up.device))
+            **pdl_args(gate_up.device))
     return out
 
 

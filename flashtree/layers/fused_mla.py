@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtree.pdl import pdl, wait_for_previous
+from flashtree.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
@@ -97,6 +97,5 @@ def mla_prologue(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_a: torch.Tensor,
             kv_a.stride(0), cos.stride(0), out.stride(0), out.stride(1), cache.stride(0),
             heads, latent, rope // 2, eps, INTERLEAVED=interleaved,
             BLOCK_LATENT=triton.next_power_of_2(latent),
-            BLOCK_HALF=triton.next_power_of_2(rope // 2), PDL=pdl(out.device), num_warps=4,
-            launch_pdl=pdl(out.device))
+            BLOCK_HALF=triton.next_power_of_2(rope // 2), num_warps=4, **pdl_args(out.device))
     return out

@@ -27,7 +27,7 @@ from flashtree.layers.int4_unpack import scaled_planes
 from flashtree.layers.moe_align import BLOCK_M, align_by_expert
 from flashtree.layers.moe_gemv import pair_gate_up_kernel, silu_mul, token_down_kernel
 from flashtree.layers.stacked_experts import StackedExperts
-from flashtree.pdl import pdl, wait_for_previous
+from flashtree.pdl import pdl_args, wait_for_previous
 
 PER_PAIR_MAX = 64  # at most this many pairs: a block per pair, no grouping launch
 
@@ -302,8 +302,7 @@ def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Te
         x, w13, s13, part, ids, first_expert, num_experts, top_k, hidden, inter, k_per_split,
         x.stride(0), w13.stride(0), w13.stride(1), *_strides(s13), part.stride(0),
         part.stride(1), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=experts.group,
-        SPLIT=splits > 1, PDL=pdl(x.device), num_warps=tiles.num_warps,
-        launch_pdl=pdl(x.device))
+        SPLIT=splits > 1, num_warps=tiles.num_warps, **pdl_args(x.device))
     _split_activation(part, act, splits)
     out = torch.empty_like(x)
     # Expert parallel: most of a token's slots are other ranks', so a tile takes one slot
@@ -317,8 +316,8 @@ def _int4_pair_gemvs(x: torch.Tensor, experts: StackedExperts, weights: torch.Te
         *_strides(s2), 0 if shared is None else shared.stride(0), out.stride(0),
         TOP_K=top_k_tile, SLOTS=slots, BLOCK_N=down_rows,
         BLOCK_K=tiles.down_block_k, GROUP=experts.group, HAS_SHARED=shared is not None,
-        EVEN_K=inter % tiles.down_block_k == 0, PDL=pdl(x.device), num_warps=tiles.num_warps,
-        launch_pdl=pdl(x.device))
+        EVEN_K=inter % tiles.down_block_k == 0, num_warps=tiles.num_warps,
+        **pdl_args(x.device))
     return out
 
 
@@ -349,7 +348,7 @@ def _split_activation(part: torch.Tensor, act: torch.Tensor, splits: int) -> Non
         inter = act.shape[1]
         _split_activation_kernel[(act.shape[0], triton.cdiv(inter, 256))](
             part, act, splits, inter, part.stride(0), part.stride(1), act.stride(0), BLOCK=256,
-            PDL=pdl(act.device), launch_pdl=pdl(act.device))
+            **pdl_args(act.device))
 
 
 def _strides(scale: torch.Tensor | None) -> tuple[int, int]:

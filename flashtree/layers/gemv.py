@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from flashtree.layers import programs_to_fill
-from flashtree.pdl import pdl, wait_for_previous
+from flashtree.pdl import pdl_args, wait_for_previous
 
 _BLOCK_N, _BLOCK_K, _WARPS, _STAGES = 8, 512, 4, 3  # see benchmarks/kernels.py --sections gemv
 _SHORT_BLOCK_K = 1024
@@ -129,12 +129,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     block_n, block_k = launch_shape(n, x.device)
     g, eps = norm if norm is not None else (x_row, 0.0)  # x_row: an unread stand-in
     assert g.shape == (k,) and g.is_contiguous(), f"norm weight {tuple(g.shape)} for k = {k}"
-    use_pdl = pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x_row, weight, y, g, n, k, weight.stride(0), eps,
                                              BLOCK_N=block_n, BLOCK_K=block_k,
-                                             NORM=norm is not None, PDL=use_pdl,
-                                             num_warps=_WARPS, num_stages=_STAGES,
-                                             launch_pdl=use_pdl)
+                                             NORM=norm is not None, num_warps=_WARPS,
+                                             num_stages=_STAGES, **pdl_args(x.device))
     return y
 
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from flashtree.layers.config import MoEConfig
-from flashtree.pdl import pdl, wait_for_previous
+from flashtree.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
@@ -80,6 +80,5 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConfig
             SOFTMAX=cfg.scoring_func == "softmax", HAS_BIAS=bias is not None,
             N_GROUP=cfg.n_group, G_PAD=triton.next_power_of_2(cfg.n_group),
             TOPK_GROUP=cfg.topk_group, GROUP_TOP2=cfg.topk_method == "noaux_tc",
-            RENORM=cfg.norm_topk_prob, PDL=pdl(logits.device), launch_pdl=pdl(logits.device),
-            num_warps=4)
+            RENORM=cfg.norm_topk_prob, num_warps=4, **pdl_args(logits.device))
     return weights, ids
