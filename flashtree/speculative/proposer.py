@@ -22,6 +22,7 @@ from flashtree.models.llama import DecoderModel
 from flashtree.runner.capture import GraphPlan
 from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.runner.model_runner import ModelRunner
+from flashtree.speculative.types import DeviceCandidates
 from flashtree.transfer import host_to_device, lists_to_device
 
 _GRAPH_CONTEXT_ROWS = 2048  # context rows per injection that replay a captured graph at most
@@ -31,14 +32,14 @@ _MAX_DEFERRED_ROWS = 16384  # rows held for the next draft before injecting them
 @dataclass
 class Ahead:
     """A next step's draft logits, queued early (`DFlashProposer.draft_ahead`), and the blocks
-    they answer, set once the host knows them; the step may queue its candidates from them too
-    (`budget`, what the step builds from the logits)."""
+    they answer, set once the host knows them; the step may queue the candidates it builds from
+    them too, with the budget they were built for."""
 
     logits: torch.Tensor
     gather: bool
     first: torch.Tensor  # [R] each block's first (bonus) position, on the device
     blocks: list[tuple[int, int, int, int]] | None = None
-    candidates: tuple[int, object] | None = None
+    candidates: tuple[int, DeviceCandidates] | None = None  # (budget, candidates)
 
 
 @dataclass(frozen=True)
