@@ -17,6 +17,7 @@ triton to run it on CPU tensors."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,8 +40,8 @@ from flashtree.pdl import pdl_args
 if TYPE_CHECKING:
     from flashtree.attention.flashinfer_mla import LatentDecode
 
-_MAX_AUTO_SPLITS = 16
-MLA_KEYS_PER_SPLIT = 256
+_MAX_AUTO_SPLITS = 64
+_LIGHT_TILE_ROWS = 32  # a tile of up to this many query rows in use splits as decode's does
 
 
 # Integers that vary between eager launches (the page-table width of the batch, mask strides,
@@ -171,17 +172,21 @@ class TritonBackend(AttentionBackend):
                          if device.type == "cuda" else 0)
         self.launch: _Launch | None = None
 
-    def splits_for(self, programs: int, max_kv_len: int, block_n: int | None = None,
-                   most: int = _MAX_AUTO_SPLITS) -> int:
+    def splits_for(self, programs: int, max_kv_len: int, tile_rows: int) -> int:
         """Context splits for a launch of `programs` (request, KV head, query tile) programs
-        over contexts of up to `max_kv_len` keys: enough programs to fill the GPU twice, but no
-        more splits than the longest context has key blocks of `block_n` (a short prompt's
-        prefill takes one, and no merge), nor than `most`."""
+        over contexts of up to `max_kv_len` keys, each tile using `tile_rows` query rows. A
+        split streams its share of the keys and adds a partial to merge, so the best count
+        grows as the context's square root: sqrt/4 for light tiles (decode, small blocks) and
+        sqrt/8 for fuller ones, whose partials cost more; and at most 4 (light) or 2 programs
+        an SM, beyond which splitting only adds merging (an H100's sweep:
+        benchmarks/results/2026-12-07-attention-splits-gpu.md). Powers of two (few compiled
+        variants); 1 off CUDA."""
         if self.num_splits is not None:
             return self.num_splits
-        wanted = min(most, -(-2 * self._num_sms // programs),
-                     -(-max_kv_len // (block_n or self.block_n)))
-        return triton.next_power_of_2(wanted) if wanted > 1 else 1  # few compiled variants
+        light = tile_rows <= _LIGHT_TILE_ROWS
+        wanted = min(_MAX_AUTO_SPLITS, math.isqrt(max_kv_len) // (4 if light else 8),
+                     (4 if light else 2) * self._num_sms // programs)
+        return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         mask = meta.new_token_mask
@@ -235,11 +240,8 @@ class TritonBackend(AttentionBackend):
         tile = latent_tile(v_dim, heads)
         block_m, half = tile["BLOCK_M"], tile["BLOCK_HALF"]
         num_m_tiles = triton.cdiv(meta.max_query_len * heads, block_m)
-        # A few requests' tiles are few programs: up to 64 splits, each at least
-        # MLA_KEYS_PER_SPLIT keys (finer splits cost more in partials and merging than they
-        # save: a rank's 8 heads at 1k keys on an H100).
-        splits = self.splits_for(n * num_m_tiles, meta.max_kv_len, MLA_KEYS_PER_SPLIT,
-                                 most=64)
+        splits = self.splits_for(n * num_m_tiles, meta.max_kv_len,
+                                 min(block_m, meta.max_query_len * heads))
         out = q.new_empty(q.shape[0], heads, v_dim)
         part_acc, part_m, part_l = self._partials(n * num_m_tiles * splits, block_m, 2 * half,
                                                   splits, out)
@@ -289,7 +291,8 @@ class TritonBackend(AttentionBackend):
                               triton.next_power_of_2(meta.max_query_len * group)))
         num_m_tiles = triton.cdiv(meta.max_query_len * group, block_m)
         block_d = max(16, triton.next_power_of_2(head_dim))
-        splits = self.splits_for(n * num_kv_heads * num_m_tiles, meta.max_kv_len)
+        splits = self.splits_for(n * num_kv_heads * num_m_tiles, meta.max_kv_len,
+                                 min(block_m, meta.max_query_len * group))
         out = q.new_empty(q.shape[0], heads, head_dim)
         part_acc, part_m, part_l = self._partials(n * num_kv_heads * num_m_tiles * splits,
                                                   block_m, block_d, splits, out)

@@ -72,16 +72,20 @@ def test_every_split_streams_its_share_of_the_new_tokens(kind):
                     num_splits=3, block_n=16)
 
 
-def test_automatic_splits_fill_the_gpu_but_never_outnumber_key_blocks():
-    """Without a fixed count, a launch splits each context so that its programs fill the GPU
-    twice (a power of two, at most 16), but into no more splits than the longest context has
-    key blocks: a short prompt's prefill is one split, whatever the batch."""
+def test_automatic_splits_grow_as_the_contexts_square_root_until_the_gpu_is_full():
+    """Without a fixed count, a launch splits each context into about sqrt(keys)/4 (light
+    tiles: decode, small blocks) or sqrt(keys)/8 (fuller tiles) splits, rounded down to a power
+    of two, but into no more than fill the GPU with 4 (light) or 2 programs an SM."""
     from flashtree.kv.cache import KVCache
 
-    backend = TritonBackend(KVCache(1, 4, 16, 1, 64, torch.float32, "cpu"), block_n=64)
-    backend._num_sms = 132  # an H200's (this CPU has none)
-    assert backend.splits_for(3, max_kv_len=40) == 1
-    assert backend.splits_for(3, max_kv_len=3 * 64) == 4  # three key blocks, rounded up
-    assert backend.splits_for(3, max_kv_len=100_000) == 16
-    assert backend.splits_for(100, max_kv_len=100_000) == 4  # 264 programs wanted: 3, rounded
-    assert backend.splits_for(264, max_kv_len=100_000) == 1
+    backend = TritonBackend(KVCache(1, 4, 16, 1, 64, torch.float32, "cpu"))
+    backend._num_sms = 132  # an H100's (this CPU has none)
+    assert backend.splits_for(8, max_kv_len=1024, tile_rows=4) == 8  # decode at 1k keys
+    assert backend.splits_for(8, max_kv_len=16_384, tile_rows=4) == 32
+    assert backend.splits_for(8, max_kv_len=40, tile_rows=4) == 1  # a short prompt: no merge
+    assert backend.splits_for(8, max_kv_len=1024, tile_rows=64) == 4  # a 16-token block
+    assert backend.splits_for(32, max_kv_len=16_384, tile_rows=64) == 8  # 264 // 32 programs
+    assert backend.splits_for(128, max_kv_len=1024, tile_rows=64) == 2  # a 256-node tree
+    assert backend.splits_for(64, max_kv_len=100_000, tile_rows=4) == 8  # 528 // 64, rounded
+    assert backend.splits_for(264, max_kv_len=100_000, tile_rows=64) == 1
+    assert TritonBackend(backend.cache).splits_for(8, 1024, 4) == 1  # off CUDA
