@@ -149,9 +149,10 @@ class _Launch:
 
 class TritonBackend(AttentionBackend):
     """Paged attention through `_paged_attention_kernel`. `num_splits` splits each request's
-    context (flash-decoding) so that small batches fill the GPU; None picks a power of two
-    giving about two waves of programs over the SMs (1 off CUDA). It depends only on launch
-    sizes, so a captured graph and an eager run of one batch shape reduce in the same order.
+    context (flash-decoding) so that small batches fill the GPU; None picks it from the
+    context's length and the launch's size (`splits_for`; 1 off CUDA). It depends only on
+    launch sizes, so a captured graph and an eager run of one batch shape reduce in the same
+    order.
     `max_block_m` caps the query rows per tile: larger trees times the GQA group re-read the
     context once per extra tile. `latent_decode` (FlashInfer's, `flashinfer_mla.py`) takes the
     latent forwards of one query row per request where it applies."""
