@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 _MAX_AUTO_SPLITS = 64
 _LIGHT_TILE_ROWS = 32  # a tile of up to this many query rows in use splits as decode's does
+_LATENT_KEYS_PER_SPLIT = 256  # MLA's full tiles: the fewest keys a split takes
 
 
 # Integers that vary between eager launches (the page-table width of the batch, mask strides,
@@ -189,6 +190,19 @@ class TritonBackend(AttentionBackend):
                      (4 if light else 2) * self._num_sms // programs)
         return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1
 
+    def latent_splits(self, programs: int, max_kv_len: int, tile_rows: int) -> int:
+        """`splits_for` MLA's latent attention. A rank's few heads take 16-row tiles, which
+        split as GQA's light tiles do (measured on a Kimi TP8 rank); 64-row tiles (64 heads
+        and more) carry some four times a GQA tile's work per key, so they split as finely
+        as fills the GPU twice, rounded up, down to _LATENT_KEYS_PER_SPLIT keys a split: a
+        128-head decode at 16k keys is two tiles, which the square-root rule would leave on
+        32 programs."""
+        if self.num_splits is not None or tile_rows <= _LIGHT_TILE_ROWS:
+            return self.splits_for(programs, max_kv_len, tile_rows)
+        wanted = min(_MAX_AUTO_SPLITS, -(-2 * self._num_sms // programs),
+                     -(-max_kv_len // _LATENT_KEYS_PER_SPLIT))
+        return triton.next_power_of_2(wanted) if wanted > 1 else 1
+
     def begin_forward(self, meta: AttentionMetadata) -> None:
         mask = meta.new_token_mask
         for name in ("query_start", "kv_lens", "page_tables"):
@@ -241,8 +255,8 @@ class TritonBackend(AttentionBackend):
         tile = latent_tile(v_dim, heads)
         block_m, half = tile["BLOCK_M"], tile["BLOCK_HALF"]
         num_m_tiles = triton.cdiv(meta.max_query_len * heads, block_m)
-        splits = self.splits_for(n * num_m_tiles, meta.max_kv_len,
-                                 min(block_m, meta.max_query_len * heads))
+        splits = self.latent_splits(n * num_m_tiles, meta.max_kv_len,
+                                    min(block_m, meta.max_query_len * heads))
         out = q.new_empty(q.shape[0], heads, v_dim)
         part_acc, part_m, part_l = self._partials(n * num_m_tiles * splits, block_m, 2 * half,
                                                   splits, out)

@@ -89,3 +89,17 @@ def test_automatic_splits_grow_as_the_contexts_square_root_until_the_gpu_is_full
     assert backend.splits_for(64, max_kv_len=100_000, tile_rows=4) == 8  # 528 // 64, rounded
     assert backend.splits_for(264, max_kv_len=100_000, tile_rows=64) == 1
     assert TritonBackend(backend.cache).splits_for(8, 1024, 4) == 1  # off CUDA
+
+
+def test_latent_full_tiles_split_to_fill_the_gpu_twice():
+    """MLA: a rank's 16-row tiles split as GQA's light tiles do; 64-row tiles (128 heads) as
+    finely as fills the GPU twice, at least 256 keys a split, at most 64."""
+    from flashtree.kv.cache import KVCache
+
+    backend = TritonBackend(KVCache(1, 4, 16, 1, 64, torch.float32, "cpu"))
+    backend._num_sms = 132
+    assert backend.latent_splits(1, max_kv_len=1024, tile_rows=8) == 8  # Kimi TP8 decode
+    assert backend.latent_splits(32, max_kv_len=1024, tile_rows=16) == 8  # its 64-node verify
+    assert backend.latent_splits(2, max_kv_len=16_384, tile_rows=64) == 64  # 128-head decode
+    assert backend.latent_splits(2, max_kv_len=1024, tile_rows=64) == 4  # 256 keys a split
+    assert backend.latent_splits(64, max_kv_len=100_000, tile_rows=64) == 8  # 264 // 64, up
