@@ -52,11 +52,7 @@ def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 8
         sync(device)
     averages = prof.key_averages()
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted((e.time_range.start, e.time_range.end) for e in gpu):
-        if b > end:  # the union of intervals, microseconds
-            busy += b - max(a, end)
-            end = b
+    busy = sum(us for _, us in _exclusive_us(gpu))
     wall_ms = seconds * 1e3 / timed
     out = {"calls": n, "wall_ms": wall_ms, "gpu_busy_ms": busy / 1e3 / n if cuda else None,
            "gpu_busy": busy / 1e3 / n / wall_ms if cuda else None,
@@ -71,14 +67,28 @@ def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 8
     return out
 
 
+def _exclusive_us(gpu: list) -> list[tuple[str, float]]:
+    """(name, microseconds) of each device event, counting only the time past every event
+    that started before it: the events' union split among them. Under programmatic dependent
+    launch a kernel starts while the one before runs and waits for it, so its own span would
+    count its predecessor's time again."""
+    out, end = [], float("-inf")
+    for e in sorted(gpu, key=lambda e: e.time_range.start):
+        a, b = e.time_range.start, e.time_range.end
+        out.append((e.name, max(0.0, b - max(a, end))))
+        end = max(end, b)
+    return out
+
+
 def _top(gpu: list, averages, n: int, k: int, cuda: bool) -> list[tuple[str, float, float]]:
     """(kernel, ms per call, launches per call), largest first: GPU kernels and copies on
-    CUDA, CPU ops by self time elsewhere."""
+    CUDA by their time past the events before them (`_exclusive_us`), CPU ops by self time
+    elsewhere."""
     table: dict[str, list[float]] = {}
     if cuda:
-        for e in gpu:
-            row = table.setdefault(e.name[:70], [0.0, 0])
-            row[0] += (e.time_range.end - e.time_range.start) / 1e3
+        for name, us in _exclusive_us(gpu):
+            row = table.setdefault(name[:70], [0.0, 0])
+            row[0] += us / 1e3
             row[1] += 1
     else:
         table = {e.key[:70]: [e.self_cpu_time_total / 1e3, e.count] for e in averages}
@@ -129,7 +139,7 @@ def profile_lines(name: str, p: dict) -> list[str]:
     reads = "" if p["device_reads"] is None else f", {p['device_reads']:.1f} device reads"
     lines = [f"**{name}**: {p['wall_ms']:.2f} ms wall per call{busy}{reads}, "
              f"{p['launches']:.0f} launches, {p['syncs']:.1f} host syncs per call.", "",
-             "| kernel (CPU op off CUDA) | ms per call | launches per call |", "|---|---|---|"]
+             "| kernel (CPU op off CUDA) | own ms per call | launches per call |", "|---|---|---|"]
     lines += [f"| `{k}` | {ms:.3f} | {c:.1f} |" for k, ms, c in p["top"]]
     lines += ["", "Device reads by line (per call): " + (", ".join(
         f"`{k}` {v:.1f}" for k, v in p["sync_sites"].items()) or "none"), "",
