@@ -40,7 +40,10 @@ from flashtree.pdl import pdl_args
 if TYPE_CHECKING:
     from flashtree.attention.flashinfer_mla import LatentDecode
 
-_MAX_AUTO_SPLITS = 64
+# A captured graph's splits are decided for the engine's longest context (max_model_len), so a
+# short context runs them too: more than 16 would spend its time merging.
+_MAX_AUTO_SPLITS = 16
+_MAX_LATENT_SPLITS = 64
 _LIGHT_TILE_ROWS = 32  # a tile of up to this many query rows in use splits as decode's does
 _LATENT_KEYS_PER_SPLIT = 256  # MLA's full tiles: the fewest keys a split takes
 
@@ -181,8 +184,8 @@ class TritonBackend(AttentionBackend):
         grows as the context's square root: sqrt/4 for light tiles (decode, small blocks) and
         sqrt/8 for fuller ones, whose partials cost more; and at most 4 (light) or 2 programs
         an SM, beyond which splitting only adds merging (an H100's sweep:
-        benchmarks/results/2026-12-07-attention-splits-gpu.md). Powers of two (few compiled
-        variants); 1 off CUDA."""
+        benchmarks/results/2026-12-07-attention-splits-gpu.md); at most _MAX_AUTO_SPLITS.
+        Powers of two (few compiled variants); 1 off CUDA."""
         if self.num_splits is not None:
             return self.num_splits
         light = tile_rows <= _LIGHT_TILE_ROWS
@@ -199,7 +202,7 @@ class TritonBackend(AttentionBackend):
         32 programs."""
         if self.num_splits is not None or tile_rows <= _LIGHT_TILE_ROWS:
             return self.splits_for(programs, max_kv_len, tile_rows)
-        wanted = min(_MAX_AUTO_SPLITS, -(-2 * self._num_sms // programs),
+        wanted = min(_MAX_LATENT_SPLITS, -(-2 * self._num_sms // programs),
                      -(-max_kv_len // _LATENT_KEYS_PER_SPLIT))
         return triton.next_power_of_2(wanted) if wanted > 1 else 1
 

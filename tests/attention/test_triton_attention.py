@@ -75,13 +75,15 @@ def test_every_split_streams_its_share_of_the_new_tokens(kind):
 def test_automatic_splits_grow_as_the_contexts_square_root_until_the_gpu_is_full():
     """Without a fixed count, a launch splits each context into about sqrt(keys)/4 (light
     tiles: decode, small blocks) or sqrt(keys)/8 (fuller tiles) splits, rounded down to a power
-    of two, but into no more than fill the GPU with 4 (light) or 2 programs an SM."""
+    of two, but into no more than fill the GPU with 4 (light) or 2 programs an SM, nor 16 (a
+    graph decides for the engine's longest context, and runs short ones too)."""
     from flashtree.kv.cache import KVCache
 
     backend = TritonBackend(KVCache(1, 4, 16, 1, 64, torch.float32, "cpu"))
     backend._num_sms = 132  # an H100's (this CPU has none)
     assert backend.splits_for(8, max_kv_len=1024, tile_rows=4) == 8  # decode at 1k keys
-    assert backend.splits_for(8, max_kv_len=16_384, tile_rows=4) == 32
+    assert backend.splits_for(8, max_kv_len=4096, tile_rows=4) == 16
+    assert backend.splits_for(8, max_kv_len=131_072, tile_rows=4) == 16  # at most 16
     assert backend.splits_for(8, max_kv_len=40, tile_rows=4) == 1  # a short prompt: no merge
     assert backend.splits_for(8, max_kv_len=1024, tile_rows=64) == 4  # a 16-token block
     assert backend.splits_for(32, max_kv_len=16_384, tile_rows=64) == 8  # 264 // 32 programs
