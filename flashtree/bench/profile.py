@@ -52,7 +52,8 @@ def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 8
         sync(device)
     averages = prof.key_averages()
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(us for _, us in _exclusive_us(gpu))
+    own = _exclusive_us(gpu)
+    busy = sum(us for _, us in own)
     wall_ms = seconds * 1e3 / timed
     out = {"calls": n, "wall_ms": wall_ms, "gpu_busy_ms": busy / 1e3 / n if cuda else None,
            "gpu_busy": busy / 1e3 / n / wall_ms if cuda else None,
@@ -60,7 +61,7 @@ def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 8
            else None,
            "launches": sum(e.count for e in averages if e.key in LAUNCHES) / n,
            "syncs": sum(e.count for e in averages if e.key in SYNCS) / n,
-           "top": _top(gpu, averages, n, top, cuda)}
+           "top": _top(own, averages, n, top, cuda)}
     out["sync_sites"] = _sync_sites(repeat, calls) if cuda else {}
     out["host_functions"] = _host_functions(repeat, calls, top)
     out["calls_made"] = total[0]
@@ -80,13 +81,13 @@ def _exclusive_us(gpu: list) -> list[tuple[str, float]]:
     return out
 
 
-def _top(gpu: list, averages, n: int, k: int, cuda: bool) -> list[tuple[str, float, float]]:
+def _top(own: list[tuple[str, float]], averages, n: int, k: int, cuda: bool
+         ) -> list[tuple[str, float, float]]:
     """(kernel, ms per call, launches per call), largest first: GPU kernels and copies on
-    CUDA by their time past the events before them (`_exclusive_us`), CPU ops by self time
-    elsewhere."""
+    CUDA by their own time (`own`, from `_exclusive_us`), CPU ops by self time elsewhere."""
     table: dict[str, list[float]] = {}
     if cuda:
-        for name, us in _exclusive_us(gpu):
+        for name, us in own:
             row = table.setdefault(name[:70], [0.0, 0])
             row[0] += us / 1e3
             row[1] += 1
