@@ -161,7 +161,7 @@ class Bench:
 
     def _profile_tokens(self) -> int:
         """Tokens a profiled request may commit: every step of every profiling pass a block."""
-        return self.block * calls_made_at_most(self.args.profile_steps)
+        return self.block * calls_made_at_most(self.args.profile_steps, window=True)
 
     def shape_overrides(self) -> dict:
         return ({} if self.args.first_dense is None
@@ -419,7 +419,8 @@ class Bench:
                 eng.step()
             before = sum(len(s.output_ids) for s in seqs)
             prof = profile_calls(eng.step, self.device, a.profile_steps,
-                                 done=lambda seqs=seqs: any(s.is_finished for s in seqs))
+                                 done=lambda seqs=seqs: any(s.is_finished for s in seqs),
+                                 window=name != "none")
             prof["tokens_per_step"] = ((sum(len(s.output_ids) for s in seqs) - before)
                                        / max(prof["calls_made"], 1) / len(seqs))
             for s in seqs:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from flashtree.bench.host_window import read_to_launch
 from flashtree.bench.timing import sync, wall_s
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch",
@@ -23,17 +24,20 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 _READS = ("DtoH", "Device -> Pageable", "Device -> Pinned")
 
 
-def calls_made_at_most(calls: int) -> int:
-    """How many times `profile_calls(fn, device, calls)` calls `fn` at most (CUDA's sync-debug
-    pass included): a caller that stops it with `done` (requests out of tokens) gives it this
-    many calls' work, or a pass runs short."""
-    return 3 * calls + min(calls, 3)
+def calls_made_at_most(calls: int, window: bool = False) -> int:
+    """How many times `profile_calls(fn, device, calls, window=window)` calls `fn` at most
+    (CUDA's sync-debug pass included): a caller that stops it with `done` (requests out of
+    tokens) gives it this many calls' work, or a pass runs short."""
+    return (5 if window else 3) * calls + min(calls, 3)
 
 
 def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 8,
-                  done: Callable[[], bool] = lambda: False, top: int = 12) -> dict:
+                  done: Callable[[], bool] = lambda: False, top: int = 12,
+                  window: bool = False) -> dict:
     """Profile `calls` calls of `fn` (fewer once `done()`), four times over: timed bare, under
-    torch.profiler, under cProfile and (CUDA) under the sync debug mode."""
+    torch.profiler, under cProfile and (CUDA) under the sync debug mode; with `window` (engine
+    steps that read on the device path), a fifth under cProfile from each read to the next
+    launch (`host_window.read_to_launch`)."""
     total = [0]  # calls made in all
 
     def repeat(n: int) -> int:
@@ -64,6 +68,8 @@ def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 8
            "top": _top(own, averages, n, top, cuda)}
     out["sync_sites"] = _sync_sites(repeat, calls) if cuda else {}
     out["host_functions"] = _host_functions(repeat, calls, top)
+    if window:
+        out["window_ms"], out["window_functions"] = _window_functions(repeat, calls, top, device)
     out["calls_made"] = total[0]
     return out
 
@@ -121,6 +127,26 @@ def _host_functions(repeat: Callable[[int], int], calls: int, k: int
     prof.enable()
     n = repeat(calls)
     prof.disable()
+    return _function_rows(prof, n, k)
+
+
+def _window_functions(repeat: Callable[[int], int], calls: int, k: int, device: torch.device
+                      ) -> tuple[float | None, list[tuple[str, float, float]]]:
+    """The host's time from a step's device read to the next launch (ms per window, timed
+    without a profiler; None where no step read on the device path), and cProfile's functions
+    within those windows in a second pass (ms per window)."""
+    with read_to_launch(None, device) as timed:
+        repeat(calls)
+    prof = cProfile.Profile()
+    with read_to_launch(prof, device) as profiled:
+        repeat(calls)
+    if not timed or not profiled:
+        return None, []
+    return sum(timed) * 1e3 / len(timed), _function_rows(prof, len(profiled), k)
+
+
+def _function_rows(prof: cProfile.Profile, n: int, k: int) -> list[tuple[str, float, float]]:
+    """The `k` functions of longest own time: (function, own ms, ms with callees) per `n`."""
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tt, ct, callers)
     rows = [(f"{short_path(f)}:{line}({name})", tt * 1e3 / n, ct * 1e3 / n)
             for (f, line, name), (_, _, tt, ct, _) in stats.items()]
@@ -146,4 +172,10 @@ def profile_lines(name: str, p: dict) -> list[str]:
         f"`{k}` {v:.1f}" for k, v in p["sync_sites"].items()) or "none"), "",
         "| host function (cProfile) | own ms per call | with callees |", "|---|---|---|"]
     lines += [f"| `{k}` | {own:.3f} | {cum:.3f} |" for k, own, cum in p["host_functions"]]
+    if p.get("window_ms") is not None:
+        lines += ["", f"From each device read to the next launch: {p['window_ms']:.2f} ms of "
+                  "host work (unprofiled time below is cProfile's).", "",
+                  "| host function in that window | own ms per window | with callees |",
+                  "|---|---|---|"]
+        lines += [f"| `{k}` | {own:.3f} | {cum:.3f} |" for k, own, cum in p["window_functions"]]
     return lines + [""]

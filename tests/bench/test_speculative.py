@@ -91,8 +91,13 @@ def test_speculation_commits_the_plain_tokens_at_the_oracle_rate(run):
     assert prof["none"]["tokens_per_step"] == 1.0 and prof["ddtree"]["tokens_per_step"] > 2
     assert prof["ddtree"]["host_functions"] and prof["ddtree"]["top"]
     # Every profiling pass ran all its steps (its requests had the tokens for them): timed,
-    # under torch.profiler and under cProfile (the sync-debug pass runs on CUDA only).
-    assert all(prof[m]["calls_made"] == 3 * 3 for m in ("none", "dflash", "ddtree"))
+    # under torch.profiler and under cProfile (the sync-debug pass runs on CUDA only); the
+    # speculative engines' two read-to-launch passes too.
+    assert prof["none"]["calls_made"] == 3 * 3
+    assert all(prof[m]["calls_made"] == 5 * 3 for m in ("dflash", "ddtree"))
+    # Their steps read on the device path, each read followed by the next step's forward.
+    assert all(prof[m]["window_ms"] > 0 and prof[m]["window_functions"]
+               for m in ("dflash", "ddtree"))
 
 
 def test_end_to_end_sections(run):
