@@ -16,11 +16,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashtree.bench.host_window import read_to_launch
+from flashtree.bench.idle_gaps import SYNCS, idle_gaps
 from flashtree.bench.timing import sync, wall_s
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch",
             "cudaMemcpyAsync", "cudaMemsetAsync")  # the runtime calls that launch device work
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 _READS = ("DtoH", "Device -> Pageable", "Device -> Pinned")
 
 
@@ -65,7 +65,8 @@ def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 8
            else None,
            "launches": sum(e.count for e in averages if e.key in LAUNCHES) / n,
            "syncs": sum(e.count for e in averages if e.key in SYNCS) / n,
-           "top": _top(own, averages, n, top, cuda)}
+           "top": _top(own, averages, n, top, cuda),
+           "idle_gaps": idle_gaps(prof.events(), gpu, n)[:top] if cuda else []}
     out["sync_sites"] = _sync_sites(repeat, calls) if cuda else {}
     out["host_functions"] = _host_functions(repeat, calls, top)
     if window:
@@ -168,6 +169,9 @@ def profile_lines(name: str, p: dict) -> list[str]:
              f"{p['launches']:.0f} launches, {p['syncs']:.1f} host syncs per call.", "",
              "| kernel (CPU op off CUDA) | own ms per call | launches per call |", "|---|---|---|"]
     lines += [f"| `{k}` | {ms:.3f} | {c:.1f} |" for k, ms, c in p["top"]]
+    if p.get("idle_gaps"):
+        lines += ["", "| device idle, ended by | ms per call | gaps per call |", "|---|---|---|"]
+        lines += [f"| {k} | {ms:.3f} | {c:.1f} |" for k, ms, c in p["idle_gaps"]]
     lines += ["", "Device reads by line (per call): " + (", ".join(
         f"`{k}` {v:.1f}" for k, v in p["sync_sites"].items()) or "none"), "",
         "| host function (cProfile) | own ms per call | with callees |", "|---|---|---|"]

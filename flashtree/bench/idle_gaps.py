@@ -1,0 +1,44 @@
+"""Where the device waits within a profiled run: each gap between its busy intervals, named by
+what ended it (the runtime call that launched the next device event, and the CPU op that
+made that call) and by whether the host had been waiting on a sync that returned in the gap
+(a device read: the gap is then the host's work after the read)."""
+
+from __future__ import annotations
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def idle_gaps(events: list, device_events: list, calls: int, min_us: float = 1.0
+              ) -> list[tuple[str, float, float]]:
+    """(what ended the gaps, idle ms per call, gaps per call), longest first, from a profile's
+    `events` (torch.profiler FunctionEvents: a device event shares its CUPTI correlation id
+    with the runtime call that launched it, which links to the CPU op that made the call)
+    and its `device_events`; gaps under `min_us` are not counted."""
+    on_device = {id(e) for e in device_events}
+    host = [e for e in events if id(e) not in on_device]
+    # Runtime calls and CPU ops number their correlation ids apart: keep two maps.
+    runtime = {e.id: e for e in host if e.name.startswith("cu")}
+    ops = {e.id: e for e in host if not e.name.startswith("cu")}
+    syncs = [e.time_range.end for e in host if e.name in SYNCS]
+    table: dict[str, list[float]] = {}
+    end = None
+    for e in sorted(device_events, key=lambda e: e.time_range.start):
+        start = e.time_range.start
+        if end is not None and start - end >= min_us:
+            after_sync = any(end < s <= start for s in syncs)
+            row = table.setdefault(_cause(e, runtime, ops, after_sync), [0.0, 0])
+            row[0] += (start - end) / 1e3
+            row[1] += 1
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
+    rows = sorted(table.items(), key=lambda kv: -kv[1][0])
+    return [(key, ms / calls, count / calls) for key, (ms, count) in rows]
+
+
+def _cause(device_event, runtime: dict, ops: dict, after_sync: bool) -> str:
+    call = runtime.get(device_event.id)
+    if call is None:
+        name = "unknown launch"
+    else:
+        op = ops.get(call.linked_correlation_id)
+        name = call.name + (f" ({op.name})" if op is not None else "")
+    return name + (", after a sync" if after_sync else "")
