@@ -39,6 +39,6 @@ def _cause(device_event, runtime: dict, ops: dict, after_sync: bool) -> str:
     if call is None:
         name = "unknown launch"
     else:
-        op = ops.get(call.linked_correlation_id)
+        op = ops.get(getattr(call, "linked_correlation_id", None))  # newer torch only
         name = call.name + (f" ({op.name})" if op is not None else "")
     return name + (", after a sync" if after_sync else "")
