@@ -1,7 +1,10 @@
 """Where the device waits within a profiled run: each gap between its busy intervals, named by
 what ended it (the runtime call that launched the next device event, and the CPU op that
-made that call) and by whether the host had been waiting on a sync that returned in the gap
-(a device read: the gap is then the host's work after the read)."""
+made that call), by whether that call was still to come when the device went idle (the
+device waited for the host) or had been made before (work already queued: a graph's nodes,
+where the profiler's own tracing also opens gaps), and by whether the host had been waiting
+on a sync that returned in the gap (a device read: the gap is then the host's work after
+it)."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def idle_gaps(events: list, device_events: list, calls: int, min_us: float = 1.0
         start = e.time_range.start
         if end is not None and start - end >= min_us:
             after_sync = any(end < s <= start for s in syncs)
-            row = table.setdefault(_cause(e, runtime, ops, after_sync), [0.0, 0])
+            row = table.setdefault(_cause(e, runtime, ops, end, after_sync), [0.0, 0])
             row[0] += (start - end) / 1e3
             row[1] += 1
         end = e.time_range.end if end is None else max(end, e.time_range.end)
@@ -34,11 +37,12 @@ def idle_gaps(events: list, device_events: list, calls: int, min_us: float = 1.0
     return [(key, ms / calls, count / calls) for key, (ms, count) in rows]
 
 
-def _cause(device_event, runtime: dict, ops: dict, after_sync: bool) -> str:
+def _cause(device_event, runtime: dict, ops: dict, idle_from: float, after_sync: bool) -> str:
     call = runtime.get(device_event.id)
     if call is None:
-        name = "unknown launch"
-    else:
-        op = ops.get(getattr(call, "linked_correlation_id", None))  # newer torch only
-        name = call.name + (f" ({op.name})" if op is not None else "")
-    return name + (", after a sync" if after_sync else "")
+        return "unknown launch" + (", after a sync" if after_sync else "")
+    op = ops.get(getattr(call, "linked_correlation_id", None))  # newer torch only
+    waited = call.time_range.end > idle_from  # the launch returned after the device went idle
+    return (call.name + (f" ({op.name})" if op is not None else "")
+            + (", waited for" if waited else ", queued before")
+            + (", after a sync" if after_sync else ""))

@@ -36,19 +36,23 @@ def traced(name: str, start: float, end: float, ident: int, linked: int = 0) -> 
 
 def test_idle_gaps_are_named_by_the_launch_that_ended_them_and_a_read_before_it():
     """A step: a graph runs 0-100 us and its read returns at 101; the host launches an input
-    copy at 130 (device 140-141) and the next graph at 150 (device 160-260). A kernel launched
-    during the first graph adds no gap. Ids: runtime calls share CUPTI ids with their device
+    copy at 130 (device 140-141) and the next graph at 150 (device 160-260, then a node at
+    270-280: a gap inside work queued before it). A kernel launched during the first graph
+    adds no gap. Ids: runtime calls share CUPTI ids with their device
     events (7, 8, 9, 10); the copy's runtime call links to its CPU op (id 7, as a runtime id
     does: the two number apart)."""
     graph, kernel = traced("graph kernel", 0, 100, 7), traced("kernel", 50, 60, 8)
     copy, graph2 = traced("Memcpy HtoD", 140, 141, 9), traced("graph kernel", 160, 260, 10)
-    device = [graph, kernel, copy, graph2]
+    node = traced("graph kernel", 270, 280, 10)  # the same graph's next node, 10 us later
+    device = [graph, kernel, copy, graph2, node]
     host = [traced("cudaGraphLaunch", -5, -1, 7), traced("cudaLaunchKernel", 10, 12, 8),
             traced("cudaEventSynchronize", 20, 101, 11),
             traced("aten::copy_", 128, 133, 7), traced("cudaMemcpyAsync", 130, 132, 9, 7),
             traced("cudaGraphLaunch", 150, 155, 10)]
     assert idle_gaps(host + device, device, calls=1) == [
-        ("cudaMemcpyAsync (aten::copy_), after a sync", 0.040, 1.0),
-        ("cudaGraphLaunch", 0.019, 1.0)]
-    assert idle_gaps(host + device, device, calls=1, min_us=20) == [
-        ("cudaMemcpyAsync (aten::copy_), after a sync", 0.040, 1.0)]
+        ("cudaMemcpyAsync (aten::copy_), waited for, after a sync", 0.040, 1.0),
+        ("cudaGraphLaunch, waited for", 0.019, 1.0),
+        ("cudaGraphLaunch, queued before", 0.010, 1.0)]
+    assert idle_gaps(host + device, device, calls=1, min_us=15) == [
+        ("cudaMemcpyAsync (aten::copy_), waited for, after a sync", 0.040, 1.0),
+        ("cudaGraphLaunch, waited for", 0.019, 1.0)]
