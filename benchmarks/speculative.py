@@ -401,7 +401,7 @@ class Bench:
     def profile(self) -> dict:
         a = self.args
         p, q = self.rates()
-        best = self.res.get("c1", {}).get("best_budget", CALIBRATION_BUDGET)
+        best = a.profile_budget or self.res.get("c1", {}).get("best_budget", CALIBRATION_BUDGET)
         prompts = self.prompts[: a.profile_batch]
         sampled = int(a.sampled_fraction * len(prompts))
         self.plain_references(prompts[sampled:])
@@ -427,7 +427,7 @@ class Bench:
                 eng.abort(s)
             out[name] = prof
         self.release()
-        return {"batch": len(prompts), "sampled": sampled, **out}
+        return {"batch": len(prompts), "sampled": sampled, "ddtree_budget": best, **out}
 
     def sweep(self) -> dict:
         a = self.args
@@ -854,8 +854,9 @@ def _c1_lines(c1: dict) -> list[str]:
 
 
 def _profile_lines(prof: dict) -> list[str]:
+    budget = f", DDTree at {prof['ddtree_budget']} nodes" if "ddtree_budget" in prof else ""
     lines = [f"## Engine steps under the profiler ({prof['batch']} requests, {prof['sampled']} "
-             "sampled)", ""]
+             f"sampled{budget})", ""]
     for name in ("none", "dflash", "ddtree"):
         lines += [f"{prof[name]['tokens_per_step']:.2f} tokens per request per step.", "",
                   *profile_lines(name, prof[name])]
@@ -974,6 +975,8 @@ def main() -> None:
     ap.add_argument("--budgets", type=int_list, default=[15, 31, 63, 127, 255, 511], help="c1's")
     ap.add_argument("--topk-cap", type=int, help="topk_cap compared at the best budget")
     ap.add_argument("--profile-batch", type=int, default=1)
+    ap.add_argument("--profile-budget", type=int, help="DDTree nodes (default: c1's best budget, "
+                    f"from this run or --out's; else {CALIBRATION_BUDGET})")
     ap.add_argument("--sampled-fraction", type=float, default=0.0, help="profile's at T=1")
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--levels", default="1,2,4,8,16,32,64,128,256", help="sweep concurrencies")

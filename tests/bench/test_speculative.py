@@ -32,7 +32,8 @@ def run(tmp_path_factory, tiny_chat_model):
         "speculative", out, "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
         "--ctx", "32", "--batches", "1,3", "--verify-ctxs", "32", "--trees", "1,8,256",
         "--reps", "2", "--copy-mib", "4", "--skip", "8", "--tokens", "160", "--prompts", "3",
-        "--budgets", "15,63", "--trials", "16", "--profile-steps", "3", "--levels", "1,3",
+        "--budgets", "15,63", "--trials", "16", "--profile-steps", "3", "--profile-budget", "31",
+        "--levels", "1,3",
         "--sweep-tokens", "24", "--gen-prompt", "16", "--gen-tokens", "8", "--work",
         str(out.parent / "work"), "--default-model", str(target), "--default-draft",
         str(drafter), "--pair-prompts", "2", "--pair-tokens", "12", "--acceptance-modes",
@@ -88,6 +89,7 @@ def test_speculation_commits_the_plain_tokens_at_the_oracle_rate(run):
     taus = [point["tau"] for point in c1["curve_dflash"]]
     assert taus[-1] > taus[0] + 5  # the plot's chain points span the acceptance range
     prof = data["profile"]
+    assert prof["ddtree_budget"] == 31  # --profile-budget, where c1's best is 15 or 63
     assert prof["none"]["tokens_per_step"] == 1.0 and prof["ddtree"]["tokens_per_step"] > 2
     assert prof["ddtree"]["host_functions"] and prof["ddtree"]["top"]
     # Every profiling pass ran all its steps (its requests had the tokens for them): timed,
