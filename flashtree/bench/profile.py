@@ -36,8 +36,8 @@ def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 8
                   window: bool = False) -> dict:
     """Profile `calls` calls of `fn` (fewer once `done()`), four times over: timed bare, under
     torch.profiler, under cProfile and (CUDA) under the sync debug mode; with `window` (engine
-    steps that read on the device path), a fifth under cProfile from each read to the next
-    launch (`host_window.read_to_launch`)."""
+    steps that read on the device path), twice more from each read to the next launch
+    (`host_window.read_to_launch`): timed bare, then under cProfile."""
     total = [0]  # calls made in all
 
     def repeat(n: int) -> int:
@@ -178,7 +178,8 @@ def profile_lines(name: str, p: dict) -> list[str]:
     lines += [f"| `{k}` | {own:.3f} | {cum:.3f} |" for k, own, cum in p["host_functions"]]
     if p.get("window_ms") is not None:
         lines += ["", f"From each device read to the next launch: {p['window_ms']:.2f} ms of "
-                  "host work (unprofiled time below is cProfile's).", "",
+                  "host work, timed bare (the table's times are under cProfile, which slows "
+                  "the host).", "",
                   "| host function in that window | own ms per window | with callees |",
                   "|---|---|---|"]
         lines += [f"| `{k}` | {own:.3f} | {cum:.3f} |" for k, own, cum in p["window_functions"]]
