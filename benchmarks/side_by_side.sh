@@ -10,7 +10,8 @@
 #
 # `profile` is for changes to the host's work in a step, which the steps' times replayed alone
 # do not see: the engine steps under the profiler (`--sections profile`: wall and GPU-busy
-# time per step), REF's and the working tree's alternately, ROUNDS times (default 3: the
+# time per step, and the speculative steps' host time from each device read to the next
+# launch), REF's and the working tree's alternately, ROUNDS times (default 3: the
 # host's noise moves a step's wall time by more than such a change).
 #
 # BEFORE (default .before, git-ignore it) holds REF's flashtree/ and benchmarks/ (no drafter
@@ -45,8 +46,9 @@ run|profile)
             if [[ $side == before ]]; then dir=$before; else dir=.; fi
             (cd "$dir" && python -m benchmarks.speculative --sections profile "$@" \
                 --out "$report" >/dev/null)
-            grep -E '^\*\*(none|dflash|ddtree)\*\*' "$report" \
-                | sed -E "s/^/$side $round /; s/, [0-9.]+ (device reads|launches).*//"
+            grep -E '^\*\*(none|dflash|ddtree)\*\*|^From each device read' "$report" \
+                | sed -E "s/^/$side $round /; s/, [0-9.]+ (device reads|launches).*//;
+                          s/ of host work, timed bare.*/ of host work/"
         done
     done;;
 *)

@@ -66,3 +66,5 @@ def test_profile_alternates_the_commit_before_and_the_working_tree(tmp_path):
         for method in ("none", "dflash", "ddtree"):
             assert f"{side} 1 **{method}**: " in run.stdout, run.stdout
     assert run.stdout.count("ms wall per call") == 6
+    # The speculative engines' host time from each device read to the next launch, a side each.
+    assert run.stdout.count("From each device read to the next launch: ") == 4
