@@ -70,7 +70,8 @@ def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 8
     out["sync_sites"] = _sync_sites(repeat, calls) if cuda else {}
     out["host_functions"] = _host_functions(repeat, calls, top)
     if window:
-        out["window_ms"], out["window_functions"] = _window_functions(repeat, calls, top, device)
+        (out["window_ms"], out["window_functions"],
+         out["window_ours"]) = _window_functions(repeat, calls, top, device)
     out["calls_made"] = total[0]
     return out
 
@@ -132,26 +133,33 @@ def _host_functions(repeat: Callable[[int], int], calls: int, k: int
 
 
 def _window_functions(repeat: Callable[[int], int], calls: int, k: int, device: torch.device
-                      ) -> tuple[float | None, list[tuple[str, float, float]]]:
+                      ) -> tuple[float | None, list[tuple[str, float, float]],
+                                 list[tuple[str, float, float]]]:
     """The host's time from a step's device read to the next launch (ms per window, timed
-    without a profiler; None where no step read on the device path), and cProfile's functions
-    within those windows in a second pass (ms per window)."""
+    without a profiler; None where no step read on the device path), and from cProfile within
+    those windows in a second pass (ms per window): the functions of longest own time, and
+    this project's functions by their time with callees (which phase of the step holds it)."""
     with read_to_launch(None, device) as timed:
         repeat(calls)
     prof = cProfile.Profile()
     with read_to_launch(prof, device) as profiled:
         repeat(calls)
     if not timed or not profiled:
-        return None, []
-    return sum(timed) * 1e3 / len(timed), _function_rows(prof, len(profiled), k)
+        return None, [], []
+    n = len(profiled)
+    return (sum(timed) * 1e3 / len(timed), _function_rows(prof, n, k),
+            _function_rows(prof, n, k, ours_with_callees=True))
 
 
-def _function_rows(prof: cProfile.Profile, n: int, k: int) -> list[tuple[str, float, float]]:
-    """The `k` functions of longest own time: (function, own ms, ms with callees) per `n`."""
+def _function_rows(prof: cProfile.Profile, n: int, k: int, ours_with_callees: bool = False
+                   ) -> list[tuple[str, float, float]]:
+    """The `k` functions of longest own time (or, `ours_with_callees`, this project's of
+    longest time with callees): (function, own ms, ms with callees) per `n`."""
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tt, ct, callers)
     rows = [(f"{short_path(f)}:{line}({name})", tt * 1e3 / n, ct * 1e3 / n)
-            for (f, line, name), (_, _, tt, ct, _) in stats.items()]
-    return sorted(rows, key=lambda r: -r[1])[:k]
+            for (f, line, name), (_, _, tt, ct, _) in stats.items()
+            if not ours_with_callees or "flashtree/" in f]
+    return sorted(rows, key=lambda r: -r[2 if ours_with_callees else 1])[:k]
 
 
 def short_path(path: str) -> str:
@@ -183,4 +191,6 @@ def profile_lines(name: str, p: dict) -> list[str]:
                   "| host function in that window | own ms per window | with callees |",
                   "|---|---|---|"]
         lines += [f"| `{k}` | {own:.3f} | {cum:.3f} |" for k, own, cum in p["window_functions"]]
+        lines += ["", "| this project's functions in that window | ms with callees |", "|---|---|"]
+        lines += [f"| `{k}` | {cum:.3f} |" for k, _, cum in p.get("window_ours", [])]
     return lines + [""]

@@ -100,6 +100,12 @@ def test_speculation_commits_the_plain_tokens_at_the_oracle_rate(run):
     # Their steps read on the device path, each read followed by the next step's forward.
     assert all(prof[m]["window_ms"] > 0 and prof[m]["window_functions"]
                for m in ("dflash", "ddtree"))
+    # By time with callees, this project's functions alone: the next step is the window's
+    # largest (it starts inside it), and no library function is listed.
+    ours = prof["ddtree"]["window_ours"]
+    assert ours[0][0].startswith("engine/llm_engine.py") and ours[0][0].endswith("(step)")
+    assert [cum for _, _, cum in ours] == sorted((cum for _, _, cum in ours), reverse=True)
+    assert not [name for name, _, _ in ours if name.startswith("~")]
 
 
 def test_end_to_end_sections(run):
