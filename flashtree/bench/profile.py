@@ -22,6 +22,7 @@ from flashtree.bench.timing import sync, wall_s
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch",
             "cudaMemcpyAsync", "cudaMemsetAsync")  # the runtime calls that launch device work
 _READS = ("DtoH", "Device -> Pageable", "Device -> Pinned")
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + "/"  # this project's source files
 
 
 def calls_made_at_most(calls: int, window: bool = False) -> int:
@@ -158,7 +159,7 @@ def _function_rows(prof: cProfile.Profile, n: int, k: int, ours_with_callees: bo
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tt, ct, callers)
     rows = [(f"{short_path(f)}:{line}({name})", tt * 1e3 / n, ct * 1e3 / n)
             for (f, line, name), (_, _, tt, ct, _) in stats.items()
-            if not ours_with_callees or "flashtree/" in f]
+            if not ours_with_callees or f.startswith(_PACKAGE)]
     return sorted(rows, key=lambda r: -r[2 if ours_with_callees else 1])[:k]
 
 

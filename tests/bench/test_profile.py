@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import cProfile
 from types import SimpleNamespace
 
+import torch
+
 from flashtree.bench.idle_gaps import idle_gaps
-from flashtree.bench.profile import _exclusive_us, _top
+from flashtree.bench.profile import _exclusive_us, _function_rows, _top
+from flashtree.transfer import lists_to_device
 
 
 def event(name: str, start: float, end: float) -> SimpleNamespace:
@@ -56,3 +60,21 @@ def test_idle_gaps_are_named_by_the_launch_that_ended_them_and_a_read_before_it(
     assert idle_gaps(host + device, device, calls=1, min_us=15) == [
         ("cudaMemcpyAsync (aten::copy_), waited for, after a sync", 0.040, 1.0),
         ("cudaGraphLaunch, waited for", 0.019, 1.0)]
+
+
+def test_the_windows_own_functions_are_this_projects_by_time_with_callees():
+    """`ours_with_callees` lists the package's functions alone (not this test's, nor built-ins),
+    largest time with callees first."""
+    def busy() -> None:  # this file's: a caller of the package and of built-ins
+        sorted(range(200_000), key=lambda v: -v)
+        lists_to_device([[1, 2, 3], [4]], torch.device("cpu"))
+
+    prof = cProfile.Profile()
+    prof.enable()
+    busy()
+    prof.disable()
+    everything = _function_rows(prof, 1, 100)
+    ours = _function_rows(prof, 1, 100, ours_with_callees=True)
+    assert any(name.startswith("~") for name, _, _ in everything)  # built-ins were profiled
+    assert ours and all(name.startswith("transfer.py:") for name, _, _ in ours)
+    assert [cum for _, _, cum in ours] == sorted((cum for _, _, cum in ours), reverse=True)
