@@ -8,6 +8,8 @@ it)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
@@ -24,17 +26,30 @@ def idle_gaps(events: list, device_events: list, calls: int, min_us: float = 1.0
     ops = {e.id: e for e in host if not e.name.startswith("cu")}
     syncs = [e.time_range.end for e in host if e.name in SYNCS]
     table: dict[str, list[float]] = {}
-    end = None
-    for e in sorted(device_events, key=lambda e: e.time_range.start):
-        start = e.time_range.start
-        if end is not None and start - end >= min_us:
-            after_sync = any(end < s <= start for s in syncs)
-            row = table.setdefault(_cause(e, runtime, ops, end, after_sync), [0.0, 0])
-            row[0] += (start - end) / 1e3
+    for e, _, gap in busy_walk(device_events):
+        if gap >= min_us:
+            idle_from = e.time_range.start - gap
+            after_sync = any(idle_from < s <= e.time_range.start for s in syncs)
+            row = table.setdefault(_cause(e, runtime, ops, idle_from, after_sync), [0.0, 0])
+            row[0] += gap / 1e3
             row[1] += 1
-        end = e.time_range.end if end is None else max(end, e.time_range.end)
     rows = sorted(table.items(), key=lambda kv: -kv[1][0])
     return [(key, ms / calls, count / calls) for key, (ms, count) in rows]
+
+
+def busy_walk(device_events: list) -> Iterator[tuple[object, float, float]]:
+    """The device events in start order, each with its own time (microseconds past every
+    event that started before it: the busy union split among them) and the idle gap before
+    it (0 for the first)."""
+    end = None
+    for e in sorted(device_events, key=lambda e: e.time_range.start):
+        a, b = e.time_range.start, e.time_range.end
+        if end is None:
+            yield e, b - a, 0.0
+            end = b
+            continue
+        yield e, max(0.0, b - max(a, end)), max(0.0, a - end)
+        end = max(end, b)
 
 
 def _cause(device_event, runtime: dict, ops: dict, idle_from: float, after_sync: bool) -> str:

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashtree.bench.host_window import read_to_launch
-from flashtree.bench.idle_gaps import SYNCS, idle_gaps
+from flashtree.bench.idle_gaps import SYNCS, busy_walk, idle_gaps
 from flashtree.bench.timing import sync, wall_s
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch",
@@ -82,12 +82,7 @@ def _exclusive_us(gpu: list) -> list[tuple[str, float]]:
     that started before it: the events' union split among them. Under programmatic dependent
     launch a kernel starts while the one before runs and waits for it, so its own span would
     count its predecessor's time again."""
-    out, end = [], float("-inf")
-    for e in sorted(gpu, key=lambda e: e.time_range.start):
-        a, b = e.time_range.start, e.time_range.end
-        out.append((e.name, max(0.0, b - max(a, end))))
-        end = max(end, b)
-    return out
+    return [(e.name, own) for e, own, _ in busy_walk(gpu)]
 
 
 def _top(own: list[tuple[str, float]], averages, n: int, k: int, cuda: bool
