@@ -401,7 +401,8 @@ class Bench:
     def profile(self) -> dict:
         a = self.args
         p, q = self.rates()
-        best = a.profile_budget or self.res.get("c1", {}).get("best_budget", CALIBRATION_BUDGET)
+        best = (a.profile_budget if a.profile_budget is not None
+                else self.res.get("c1", {}).get("best_budget", CALIBRATION_BUDGET))
         prompts = self.prompts[: a.profile_batch]
         sampled = int(a.sampled_fraction * len(prompts))
         self.plain_references(prompts[sampled:])
@@ -1012,6 +1013,8 @@ def main() -> None:
         ap.error(f"unknown sections {sorted(unknown)}; allowed: {', '.join(SECTIONS)}")
     if args.built_layers and not args.layout:
         ap.error("--built-layers repeats a rank's layers: give --layout too (e.g. tp8)")
+    if args.profile_budget is not None and args.profile_budget < 1:
+        ap.error(f"--profile-budget {args.profile_budget}: DDTree's nodes, at least 1")
     path = args.out.with_suffix(".json")
     old = json.loads(path.read_text()) if path.exists() else {}
     res = {k: old[k] for k in (*SECTIONS, "errors", "commands") if k in old}

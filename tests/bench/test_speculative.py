@@ -7,10 +7,13 @@ JSON says. A check of the script, not of speed: these are CPU numbers of tiny mo
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
-from tests.bench.scripts import check_goals, run_script
+from tests.bench.scripts import REPO, check_goals, run_script
 
 GOAL_KEYS = ("ar_step_over_floor", "ar_speed_over_compiled_peer", "draft_over_ar_step",
              "verify16_over_ar_step", "verify64_over_ar_step", "verify256_over_ar_step",
@@ -124,3 +127,14 @@ def test_end_to_end_sections(run):
                     "## End to end against transformers", "## Default pair end to end",
                     "## Tokens per target forward"):
         assert heading in md, heading
+
+
+@pytest.mark.parametrize("budget", ["0", "-3"])
+def test_a_profile_budget_below_one_node_is_refused_before_anything_runs(tmp_path, budget):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.speculative", "--shape", "tiny",
+                          "--device", "cpu", "--sections", "profile", "--profile-budget",
+                          budget, "--out", str(tmp_path / "s.md")],
+                         capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 2 and f"--profile-budget {budget}: DDTree's nodes" in run.stderr
+    assert not (tmp_path / "s.json").exists()  # nothing measured, nothing written
