@@ -17,14 +17,13 @@ The whole MoE target's steps against their floor: `benchmarks/speculative.py --s
 qwen3-30b-a3b --sections steps --batches 1,8,32,128`.
 
     python -m benchmarks.moe --tiles --profile --out benchmarks/results/DATE-moe-gpu.md
-    python -m benchmarks.moe --shapes kimi-k2.6 --layout tp8 --out moe-tp8.md
-    python -m benchmarks.moe --sections kimi --ranks tp8.json,ep8.json --moe moe-tp8.json \
-        --out benchmarks/results/DATE-kimi-rank-gpu.md
+    benchmarks/kimi_rank.sh OUT_DIR  # every run the kimi section reads, on one H200, then it
 
 On a CPU only the loop runs (a check of the script). JSON keys: `fused_over_loop_b1` (the
 Qwen3 layer's loop over its fused time at one token), `int4_layer_over_floor_b1` (the Kimi
 layer, graph-replayed, over its floor), `moe_layer_fixed_us` and `int4_expert_bw_fraction`
-(the Kimi layer's fit and its worst bandwidth share at 8-128 tokens) and the `kimi_*` keys."""
+(the Kimi layer's fit and its worst bandwidth share at 8-128 tokens) and the kimi section's
+goals (`flashtree/bench/kimi.py`)."""
 
 from __future__ import annotations
 
@@ -36,12 +35,7 @@ from pathlib import Path
 
 import torch
 
-from flashtree.bench.floors import (
-    copy_bandwidth,
-    floor_ms,
-    local_experts_touched,
-    moe_layer_bytes,
-)
+from flashtree.bench.floors import copy_bandwidth, floor_ms, local_experts_touched, moe_layer_bytes
 from flashtree.bench.kimi import KIMI_GOALS, fit_layer, kimi_ranks, kimi_report
 from flashtree.bench.profile import profile_calls
 from flashtree.bench.random_pair import fill_random, rank_share
@@ -196,6 +190,8 @@ def main() -> None:
     ap.add_argument("--layout", help="layers: one rank's share (tpN, epN) of each layer")
     ap.add_argument("--ranks", help="kimi: speculative.py --layout JSONs, comma-separated")
     ap.add_argument("--moe", type=Path, help="kimi: a layers run's JSON of the rank's layer")
+    ap.add_argument("--mla", type=Path, help="kimi: a kernels.py --mla-heads 8 run's JSON")
+    ap.add_argument("--moe-target", type=Path, help="kimi: a qwen3-30b-a3b steps run's JSON")
     ap.add_argument("--allreduce-us", type=float, default=20.0,
                     help="kimi: ASSUMED latency of one small all-reduce on 8 GPUs")
     ap.add_argument("--out", type=Path,
@@ -208,7 +204,8 @@ def main() -> None:
         with share:
             layers(res, args, device)
     if "kimi" in sections:
-        res["kimi"] = kimi_ranks(args.ranks.split(","), args.allreduce_us, args.moe)
+        res["kimi"] = kimi_ranks(args.ranks.split(","), args.allreduce_us, args.moe, args.mla,
+                                 args.moe_target)
         res.update({k: v for k, v in res["kimi"].items() if k in KIMI_GOALS})
     title = ("MoE layers: grouped GEMMs against the per-expert loop" if "layers" in sections
              else "Kimi K2.6 per rank, and a prediction for 8 GPUs")

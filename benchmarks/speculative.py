@@ -283,15 +283,17 @@ class Bench:
         with Scratch(llm) as s:
             r["decode_with_context_ms"] = step_ms(llm, s.decode(1, ctx), reps)
         with Scratch(llm) as s:
-            r["chain"] = self.block
-            verify = s.verify(self.block, ctx, tree=False)
-            r[f"verify{self.block}_ms"] = step_ms(llm, verify, reps)
-            r[f"verify{self.block}_replay_ms"] = replay_ms(llm, verify, reps)
+            r["chain"] = b = self.block
+            verify = s.verify(b, ctx, tree=False)
+            r[f"verify{b}_ms"] = step_ms(llm, verify, reps)
+            r[f"verify{b}_replay_ms"] = replay_ms(llm, verify, reps)
+            r[f"verify{b}_floor_ms"] = floor_ms(step_floor_bytes(llm, verify, ctx + b), bw)
         with Scratch(llm) as s:
             draft, inject = s.draft(ctx)
             r["draft_ms"] = step_ms(llm, draft, reps, drafter=True)
             r["draft_replay_ms"] = replay_ms(llm, draft, reps, drafter=True)
             r["inject_ms"] = median_ms(inject, dev, reps)
+            r["draft_floor_ms"] = floor_ms(step_floor_bytes(llm, draft, ctx + b, drafter=True), bw)
         llm = self.llm("ddtree", budget=63)
         with Scratch(llm) as s:
             verify = s.verify(64, ctx, tree=True)
@@ -814,11 +816,17 @@ def _steps_lines(st: dict) -> list[str]:
     return lines + ["", f"Whole engine step at batch 1: {st['engine_step_ms']:.3f} ms; {peer}. "
                     f"DFlash engine: decode {st['decode_with_context_ms']:.3f} ms (context "
                     f"written for the drafter), {chain}-token chain verify "
-                    f"{st[f'verify{chain}_ms']:.3f} ms, draft {st['draft_ms']:.3f} ms, a block's "
+                    f"{st[f'verify{chain}_ms']:.3f} ms{_x_floor(st, f'verify{chain}')}, draft "
+                    f"{st['draft_ms']:.3f} ms{_x_floor(st, 'draft')}, a block's "
                     f"context injection {st['inject_ms']:.3f} ms; DDTree engine: 64-node verify "
                     f"{st['verify64_ms']:.3f} ms. Graph-replayed: {st['graphs']}.", ""] + ([
         "Their graphs replayed alone (the device's time, which the guard compares): " + ", ".join(
             f"{k[:-3]} {v:.3f} ms" for k, v in device.items()) + ".", ""] if device else [])
+
+
+def _x_floor(st: dict, step: str) -> str:
+    floor = st.get(f"{step}_floor_ms")
+    return "" if floor is None else f" ({st[f'{step}_ms'] / floor:.2f}x its floor)"
 
 
 def _verify_lines(v: dict) -> list[str]:

@@ -97,10 +97,12 @@ def eager(llm: LLM):
         runner.graphs = graphs
 
 
-def step_floor_bytes(llm: LLM, run, kv_tokens: int) -> int:
+def step_floor_bytes(llm: LLM, run, kv_tokens: int, drafter: bool = False) -> int:
     """Bytes one target forward `run` must read: the weights a decode step reads, the experts
     its tokens touch in every MoE layer (counted in one eager run of it) and `kv_tokens`
-    tokens of KV."""
+    tokens of KV. With `drafter`, one draft block's (`draft_floor_bytes`)."""
+    if drafter:
+        return draft_floor_bytes(llm, kv_tokens)
     model = llm.engine.runner.model
     touched = ExpertsTouched(model)
     if touched.layers:
@@ -108,3 +110,13 @@ def step_floor_bytes(llm: LLM, run, kv_tokens: int) -> int:
             run()
     return (weight_bytes(model)[1] + touched.total * touched.per_expert
             + kv_tokens * llm.engine.cache.bytes_per_token)
+
+
+def draft_floor_bytes(llm: LLM, kv_tokens: int) -> int:
+    """Bytes one draft block must read: the drafter's layers, the target's LM head that scores
+    the block (the embedding rows it looks up are negligible) and `kv_tokens` tokens of the
+    drafter's KV."""
+    proposer = llm.engine.proposer
+    head = llm.engine.runner.model.lm_head.weight
+    return (_bytes(proposer.draft.parameters()) + head.numel() * head.element_size()
+            + kv_tokens * proposer.cache.bytes_per_token)

@@ -75,6 +75,12 @@ GOALS = {g.key: g for g in (
          ">=", 180),
     Goal("kimi_tp8_predicted_dflash_tps_c1", "Kimi TP8 on 8 GPUs, PREDICTED DFlash tokens/s, "
          "c=1", ">=", 550),
+    Goal("mla_rank_decode_bw_fraction_16k_b32", "MLA decode at a rank's heads, 16k x 32, latent "
+         "bytes per second over copy bandwidth", ">=", 0.7),
+    Goal("moe_ar_step_over_floor_b1", "Qwen3-30B-A3B shape: AR step (batch 1) over its floor",
+         "<=", 2.0),
+    Goal("moe_chain16_verify_over_floor", "Qwen3-30B-A3B shape: 16-token chain verify over its "
+         "floor", "<=", 1.5),
     Goal("mla_decode_tbps_16k_b32", "MLA decode at 16k x 32, latent TB/s", ">=", 3.0),
     Goal("mla_verify64_over_decode", "MLA 64-node verify over decode", "<=", 1.3),
     Goal("tp2_over_tp1_b1", "TP2 decode step over TP1, batch 1", "<=", 0.65),

@@ -63,8 +63,12 @@ def test_steps_are_measured_against_their_floor(run):
     for row in st["ar"].values():
         assert row["ms"] > 0 and row["eager_ms"] > 0 and 0 < row["floor_ms"]
     for key in ("engine_step_ms", "decode_with_context_ms", "verify16_ms", "draft_ms",
-                "inject_ms", "verify64_ms"):
+                "inject_ms", "verify64_ms", "verify16_floor_ms", "draft_floor_ms"):
         assert st[key] > 0, key
+    report = run[0].read_text()
+    for step in ("verify16", "draft"):  # each beside its floor in the report
+        ms = st[f"{step}_ms"]
+        assert f"{ms:.3f} ms ({ms / st[f'{step}_floor_ms']:.2f}x its floor)" in report
     # The random target is decisive: its top-2 gap is about hidden_size (64) against a noise of
     # a few units (flashtree/bench/random_pair.py).
     assert st["min_top2_gap"] > 64 / 4

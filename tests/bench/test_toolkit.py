@@ -174,6 +174,22 @@ def test_floors_match_the_shapes_closed_forms():
     assert 4 * 2 <= touched <= 4 * 6 and touched == int(touched)
 
 
+def test_draft_floor_is_the_drafters_layers_the_lm_head_and_its_kv():
+    """A draft block reads the drafter's 2 Qwen3 layers, its final and hidden norms and its fc
+    (the target's 2 captured layers into the hidden size), the target's LM head, and its own
+    KV: float32 K and V of 2 layers x 2 KV heads x head_dim 16 a token."""
+    target, cfg = random_target(TINY, torch.float32, "cpu")
+    drafter = random_drafter(cfg, DRAFTERS["tiny"], torch.float32, "cpu", layers=2, block_size=8)
+    llm = LLM.from_modules(target, cfg, drafter, spec="dflash", max_num_seqs=2,
+                           max_model_len=256)
+    h = TINY["hidden_size"]
+    layers_and_head = _dense_bytes(TINY, 2, experts=False)  # 2 layers, a norm, the LM head
+    fc_and_hidden_norm = 4 * (2 * h * h + h)
+    kv = 4 * 2 * 2 * 2 * 16
+    assert step_floor_bytes(llm, None, 40, drafter=True) == (layers_and_head
+                                                             + fc_and_hidden_norm + 40 * kv)
+
+
 def test_shapes_state_the_configs_they_stand_for():
     fixture = json.loads((REPO / "tests/fixtures/kimi_k26/config.json").read_text())
     ignore = {"quantization", "quant_config", "quant_block", "weight_prefix", "eos_token_ids",
