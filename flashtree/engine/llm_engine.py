@@ -11,6 +11,7 @@ import torch
 
 from flashtree.config import EngineConfig
 from flashtree.distributed.vocab import vocab_argmax
+from flashtree.engine.decode_ahead import QueuedDecode, queue_decode
 from flashtree.engine.output_processor import OutputProcessor
 from flashtree.engine.scheduler import ScheduledChunk, Scheduler, step_kind
 from flashtree.kv.cache import KVCache, PageTables
@@ -29,6 +30,7 @@ from flashtree.speculative.stats import SpecStats
 from flashtree.speculative.step import SpeculativeStep
 from flashtree.structured_output import GrammarCompiler, mask_by_grammar
 from flashtree.tokenizer import Tokenizer
+from flashtree.transfer import start_to_host
 
 
 class LLMEngine:
@@ -88,6 +90,11 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.outputs = OutputProcessor(self.scheduler, tokenizer, frozenset(eos))
         self._grammars: GrammarCompiler | None = None  # built for the first guided request
+        # Plain engines queue each greedy decode step before the one before it reads its
+        # tokens (`decode_ahead`); on a CPU nothing runs meanwhile, so there it is off.
+        self.overlap_decode = self.speculative is None and args.device.type == "cuda"
+        self._queued: QueuedDecode | None = None
+        self.overlapped_decode_steps = 0  # steps that took a queued forward
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -201,7 +208,13 @@ class LLMEngine:
         # All-greedy batches take the argmax over TP vocab slices without gathering logits.
         all_greedy = (all(c.seq.params.argmax_only for c in sampling)
                       and not any(scores_prompt))
-        logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
+        queued, self._queued = self._queued, None
+        if queued is not None and queued.answers(chunks):
+            logits, features, batch = queued.logits, queued.features, queued.batch
+            self.overlapped_decode_steps += 1
+        else:
+            logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
+            batch = self.runner.last_batch
         if any(scores_prompt):
             logits = self.outputs.record_prompt_logprobs(chunks, scores_prompt, logits)
         for c in chunks:
@@ -209,7 +222,6 @@ class LLMEngine:
             self.pages.set_length(c.seq.seq_id, c.seq.num_computed)
         if self.proposer is not None and features is not None:
             # The rows' positions and slots are the target batch's (the caches share pages).
-            batch = self.runner.last_batch
             leases = self.pages.leases([c.seq.seq_id for c in chunks])
             assert None not in leases, "a chunk's request holds no pages (its forward wrote them)"
             self.proposer.defer(ContextRows(
@@ -221,8 +233,13 @@ class LLMEngine:
                                               for c in sampling])
         if not sampling:
             tokens = []
-        elif all_greedy:  # one device sync for the batch
-            tokens = vocab_argmax(logits, self.runner.model.lm_head.vocab_start).tolist()
+        elif all_greedy:  # one device read for the batch
+            next_ids = vocab_argmax(logits, self.runner.model.lm_head.vocab_start)
+            read = start_to_host(next_ids)  # before the next step queues behind it
+            if self.overlap_decode and mode is Mode.DECODE and self.speculative is None:
+                self._queued = queue_decode(self.runner, self.pages, self.scheduler, chunks,
+                                            next_ids)
+            tokens = read().tolist()
         else:
             tokens = self._sample(logits, sampling)
         for i, (c, token) in enumerate(zip(sampling, tokens)):

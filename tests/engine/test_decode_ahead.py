@@ -1,0 +1,98 @@
+"""Overlapped plain decoding (`flashtree/engine/decode_ahead.py`): each greedy decode step queued
+before the step before it reads its tokens commits exactly what the same engine commits without
+the overlap, one request at a time, through preemption, chunked prefill, arrivals, stop tokens
+and aborts; a queued step some other batch replaces wastes its work and nothing else, and every
+KV page comes back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flashtree import LLM, SamplingParams
+from tests.tiny import save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("llama"), seed=1, initializer_range=0.3)
+
+
+def _llm(path, overlap: bool, **kw) -> LLM:
+    llm = LLM(model=str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, **kw)
+    assert llm.engine.overlap_decode is False  # off on a CPU unless asked, as here
+    llm.engine.overlap_decode = overlap
+    return llm
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(64) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def _greedy(i: int, **kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 6 + i % 13, "ignore_eos": True,
+                             **kw})
+
+
+def _assert_pages_back(llm: LLM) -> None:
+    pages, scheduler = llm.engine.pages, llm.engine.scheduler
+    assert pages.num_free == pages.num_pages
+    assert not scheduler.running and not scheduler.waiting
+
+
+def test_overlapped_decoding_commits_one_at_a_time_tokens_under_pressure(tiny_dir):
+    prompts, params = _prompts(24), [_greedy(i) for i in range(24)]
+    solo = _llm(tiny_dir, overlap=False, max_num_seqs=1)
+    expected = [solo.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    # 40 pages of 4 tokens hold a few of 8 requests of up to ~58 tokens: preemption; a prefill
+    # budget of 16 tokens chunks the longer prompts.
+    crowded = _llm(tiny_dir, overlap=True, max_num_seqs=8, page_size=4, kv_cache_pages=40,
+                   max_num_batched_tokens=16)
+    outs = crowded.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert crowded.engine.scheduler.num_preemptions > 0
+    assert crowded.engine.overlapped_decode_steps >= 5  # where no admission was due
+    _assert_pages_back(crowded)
+
+
+def _drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Requests arriving one every three steps; the second aborted at step 7."""
+    engine, seqs, step = llm.engine, [], 0
+    while len(seqs) < len(prompts) or engine.has_unfinished():
+        if step % 3 == 0 and len(seqs) < len(prompts):
+            seqs.append(engine.add_request(prompts[len(seqs)], params[len(seqs)]))
+        if step == 7:
+            engine.abort(seqs[1])
+        if engine.has_unfinished():
+            engine.step()
+        step += 1
+    return [list(s.output_ids) for s in seqs]
+
+
+def test_stop_tokens_arrivals_and_aborts_end_queued_steps_without_a_trace(tiny_dir):
+    """Requests end at a stop token the host sees only after the next step is queued; others
+    arrive and one is aborted between steps: the same tokens as without the overlap."""
+    prompts = _prompts(6)
+    plain = _llm(tiny_dir, overlap=False, max_num_seqs=4)
+    free_run = _drive(plain, prompts, [_greedy(i, max_tokens=24) for i in range(6)])
+    # Each request stops at its fourth token's id where that one is not among the first three.
+    stops = [[out[3]] if len(out) > 3 and out[3] not in out[:3] else None for out in free_run]
+    assert sum(s is not None for s in stops) >= 2
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=s)
+              for s in stops]
+    expected = _drive(_llm(tiny_dir, overlap=False, max_num_seqs=4), prompts, params)
+    overlapped = _llm(tiny_dir, overlap=True, max_num_seqs=4)
+    assert _drive(overlapped, prompts, params) == expected
+    assert any(len(out) == 4 for out in expected)  # a stop token ended a request
+    assert overlapped.engine.overlapped_decode_steps > 5
+    _assert_pages_back(overlapped)
+
+
+def test_sampled_requests_are_not_overlapped(tiny_dir):
+    """A batch with a sampled request reads its logits on the host: nothing is queued."""
+    llm = _llm(tiny_dir, overlap=True, max_num_seqs=4)
+    params = [_greedy(0, max_tokens=12), SamplingParams(temperature=0.8, max_tokens=12, seed=1)]
+    llm.generate(_prompts(2), params)
+    assert llm.engine.overlapped_decode_steps == 0
