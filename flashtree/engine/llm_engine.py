@@ -90,9 +90,9 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.outputs = OutputProcessor(self.scheduler, tokenizer, frozenset(eos))
         self._grammars: GrammarCompiler | None = None  # built for the first guided request
-        # Plain engines queue each greedy decode step before the one before it reads its
-        # tokens (`decode_ahead`); on a CPU nothing runs meanwhile, so there it is off.
-        self.overlap_decode = self.speculative is None and args.device.type == "cuda"
+        # Each greedy plain decode step queues the next before it reads its tokens
+        # (`decode_ahead`); on a CPU nothing would run meanwhile, so there it is off.
+        self.overlap_decode = args.device.type == "cuda"
         self._queued: QueuedDecode | None = None
         self.overlapped_decode_steps = 0  # steps that took a queued forward
 
@@ -154,6 +154,7 @@ class LLMEngine:
         """Run one forward; return the sequences that got new tokens."""
         start = time.perf_counter()  # the policy times whole steps, scheduling included
         chunks = self.scheduler.schedule()
+        queued, self._queued = self._queued, None  # a plain decode step may take it
         if not chunks:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
@@ -161,7 +162,7 @@ class LLMEngine:
         if self.speculative is None or kind != "decode":
             if self.spec_stats is not None and kind == "mixed":  # plain for the decoding
                 self.spec_stats.record_budget(0, sum(c.decode for c in chunks))
-            return self._plain_step(chunks)
+            return self._plain_step(chunks, queued)
         outputs_before = sum(len(c.seq.output_ids) for c in chunks)
         assert self.policy is not None and self.spec_stats is not None
         budget = self.policy.plan(len(chunks))
@@ -172,7 +173,7 @@ class LLMEngine:
         else:
             budget = 0
             self.spec_stats.record_budget(0, len(chunks))
-            done = self._plain_step(chunks)
+            done = self._plain_step(chunks, queued)
         committed = sum(len(c.seq.output_ids) for c in chunks) - outputs_before
         self.policy.observe(StepResult(budget, len(chunks), committed,
                                        time.perf_counter() - start, committed_at))
@@ -189,12 +190,14 @@ class LLMEngine:
             self.pages.reserve(seq_id, tokens)
         return True
 
-    def _plain_step(self, chunks: list[ScheduledChunk]) -> list[Sequence]:
+    def _plain_step(self, chunks: list[ScheduledChunk], queued: QueuedDecode | None = None
+                    ) -> list[Sequence]:
         """Prompt chunks, one plain decode token per request, or both (a mixed step, run as
         a prompt batch). With a drafter, the new tokens' context features go to the draft KV
         cache before the next draft: the first token of a prompt does not wait for them, nor
         does a plain step the policy chose (a decode or prompt graph writes them itself, and
-        returns none)."""
+        returns none). `queued`: the forward the step before queued, taken where it answers
+        `chunks`; a greedy decode step queues the next one's (`decode_ahead`)."""
         mode = Mode.DECODE if step_kind(chunks) == "decode" else Mode.PREFILL
         # Chunks of prompts whose log-probs are asked score every row, the others their last
         # row where they sample.
@@ -208,7 +211,6 @@ class LLMEngine:
         # All-greedy batches take the argmax over TP vocab slices without gathering logits.
         all_greedy = (all(c.seq.params.argmax_only for c in sampling)
                       and not any(scores_prompt))
-        queued, self._queued = self._queued, None
         if queued is not None and queued.answers(chunks):
             logits, features, batch = queued.logits, queued.features, queued.batch
             self.overlapped_decode_steps += 1
@@ -236,7 +238,7 @@ class LLMEngine:
         elif all_greedy:  # one device read for the batch
             next_ids = vocab_argmax(logits, self.runner.model.lm_head.vocab_start)
             read = start_to_host(next_ids)  # before the next step queues behind it
-            if self.overlap_decode and mode is Mode.DECODE and self.speculative is None:
+            if self.overlap_decode and mode is Mode.DECODE:
                 self._queued = queue_decode(self.runner, self.pages, self.scheduler, chunks,
                                             next_ids)
             tokens = read().tolist()

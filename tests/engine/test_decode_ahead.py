@@ -9,8 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from flashtree import LLM, SamplingParams
+from tests.speculative.agreeing_pair import save_agreeing_pair
 from tests.tiny import save_tiny_llama
 
 
@@ -26,9 +28,9 @@ def _llm(path, overlap: bool, **kw) -> LLM:
     return llm
 
 
-def _prompts(n: int) -> list[list[int]]:
+def _prompts(n: int, vocab: int = 64) -> list[list[int]]:
     rng = random.Random(0)
-    return [[rng.randrange(64) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+    return [[rng.randrange(vocab) for _ in range(rng.randint(3, 40))] for _ in range(n)]
 
 
 def _greedy(i: int, **kw) -> SamplingParams:
@@ -96,3 +98,49 @@ def test_sampled_requests_are_not_overlapped(tiny_dir):
     params = [_greedy(0, max_tokens=12), SamplingParams(temperature=0.8, max_tokens=12, seed=1)]
     llm.generate(_prompts(2), params)
     assert llm.engine.overlapped_decode_steps == 0
+
+
+class _ThreePlainThenOne:
+    """Plain steps, every fourth step speculative: queued plain steps meet speculative ones."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.steps = budget, 0
+
+    def plan(self, requests: int) -> int:
+        self.steps += 1
+        return self.budget if self.steps % 4 == 0 else 0
+
+    def observe(self, result) -> None:
+        pass
+
+
+def test_a_drafters_plain_steps_overlap_without_changing_its_drafts(tmp_path):
+    """A DDTree engine whose policy mixes plain and speculative steps: its queued plain steps
+    also wrote the drafter's context, and a speculative step may follow one it queued. The
+    tokens are plain decoding's, and every draft's logits are those without the overlap: the
+    drafter read the same context."""
+    target, drafter = save_agreeing_pair(tmp_path, 4)
+    prompts = _prompts(5, vocab=5)
+
+    def run(spec: str, overlap: bool):
+        llm = _llm(target, overlap, draft=str(drafter) if spec != "none" else None, spec=spec,
+                   tree_budget=6 if spec != "none" else None, max_num_seqs=4)
+        drafts = []
+        if spec != "none":
+            llm.engine.policy = _ThreePlainThenOne(6)
+            draft = llm.engine.proposer.draft
+            logits = draft.logits
+            draft.logits = lambda *a, **kw: drafts.append(logits(*a, **kw)) or drafts[-1]
+        outs = llm.generate(prompts, [_greedy(i, max_tokens=20) for i in range(5)])
+        return llm, [(o.outputs[0].token_ids, o.outputs[0].spec_accept_lengths) for o in outs
+                     ], drafts
+
+    overlapped, with_overlap, drafts = run("ddtree", True)
+    _, without, expected_drafts = run("ddtree", False)
+    assert with_overlap == without
+    assert len(drafts) == len(expected_drafts) > 3
+    assert all(torch.equal(a, b) for a, b in zip(drafts, expected_drafts))  # the same context
+    assert [t for t, _ in with_overlap] == [t for t, _ in run("none", False)[1]]
+    assert max(n for _, lengths in with_overlap for n in lengths) > 1  # speculation accepted
+    assert overlapped.engine.overlapped_decode_steps > 5
+    _assert_pages_back(overlapped)
