@@ -21,9 +21,9 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("llama"), seed=1, initializer_range=0.3)
 
 
-def _llm(path, overlap: bool, **kw) -> LLM:
-    llm = LLM(model=str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, **kw)
-    assert llm.engine.overlap_decode is False  # off on a CPU unless asked, as here
+def _llm(path, overlap: bool, device: str = "cpu", **kw) -> LLM:
+    llm = LLM(model=str(path), device=device, dtype="float32", skip_tokenizer_init=True, **kw)
+    assert llm.engine.overlap_decode is (device == "cuda")  # off on a CPU unless asked
     llm.engine.overlap_decode = overlap
     return llm
 
@@ -45,13 +45,17 @@ def _assert_pages_back(llm: LLM) -> None:
 
 
 def test_overlapped_decoding_commits_one_at_a_time_tokens_under_pressure(tiny_dir):
+    check_under_pressure(tiny_dir, "cpu")
+
+
+def check_under_pressure(tiny_dir, device: str) -> None:
     prompts, params = _prompts(24), [_greedy(i) for i in range(24)]
-    solo = _llm(tiny_dir, overlap=False, max_num_seqs=1)
+    solo = _llm(tiny_dir, overlap=False, device=device, max_num_seqs=1)
     expected = [solo.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     # 40 pages of 4 tokens hold a few of 8 requests of up to ~58 tokens: preemption; a prefill
     # budget of 16 tokens chunks the longer prompts.
-    crowded = _llm(tiny_dir, overlap=True, max_num_seqs=8, page_size=4, kv_cache_pages=40,
-                   max_num_batched_tokens=16)
+    crowded = _llm(tiny_dir, overlap=True, device=device, max_num_seqs=8, page_size=4,
+                   kv_cache_pages=40, max_num_batched_tokens=16)
     outs = crowded.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert crowded.engine.scheduler.num_preemptions > 0
@@ -119,12 +123,16 @@ def test_a_drafters_plain_steps_overlap_without_changing_its_drafts(tmp_path):
     also wrote the drafter's context, and a speculative step may follow one it queued. The
     tokens are plain decoding's, and every draft's logits are those without the overlap: the
     drafter read the same context."""
+    check_drafter_steps(tmp_path, "cpu")
+
+
+def check_drafter_steps(tmp_path, device: str) -> None:
     target, drafter = save_agreeing_pair(tmp_path, 4)
     prompts = _prompts(5, vocab=5)
 
     def run(spec: str, overlap: bool):
-        llm = _llm(target, overlap, draft=str(drafter) if spec != "none" else None, spec=spec,
-                   tree_budget=6 if spec != "none" else None, max_num_seqs=4)
+        llm = _llm(target, overlap, device, draft=str(drafter) if spec != "none" else None,
+                   spec=spec, tree_budget=6 if spec != "none" else None, max_num_seqs=4)
         drafts = []
         if spec != "none":
             llm.engine.policy = _ThreePlainThenOne(6)
