@@ -2,7 +2,8 @@
 as vLLM's async scheduling and SGLang's overlap scheduler do it). A greedy decode batch's next
 input tokens are its argmax, already on the device, and its next positions and slots are known
 on the host, so the next forward can run while the host reads the tokens, appends them and
-schedules. The next step takes it where it schedules exactly that batch again. Where it does
+schedules. The next step takes it where it decodes that batch again, or the part of it whose
+requests go on (each row of a decode forward depends on its own request alone). Where it does
 not, the queued forward wrote each request's next token's KV (the token the next real step
 writes again: greedy) or into pages freed since, which every later owner's writes follow on the
 stream; nothing it computed is read."""
@@ -17,6 +18,7 @@ from flashtree.engine.scheduler import ScheduledChunk, Scheduler
 from flashtree.kv.cache import PageTables
 from flashtree.runner.forward_batch import BatchItem, ForwardBatch, Mode
 from flashtree.runner.model_runner import ModelRunner
+from flashtree.transfer import to_device
 
 
 @dataclass
@@ -30,37 +32,49 @@ class QueuedDecode:
     logits: torch.Tensor  # [R, vocab slice]
     features: torch.Tensor | None
 
-    def answers(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether this forward is the one `chunks` ask for: one decode token of each of the
-        same requests, in the same order (the token: the argmax, greedy)."""
-        if len(chunks) != len(self.seq_ids) or any(
-                not c.decode or c.seq.seq_id != i for c, i in zip(chunks, self.seq_ids)):
-            return False
+    def rows_for(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """This forward's rows that answer `chunks`: one decode token of each of the requests
+        it holds, in its order (those that ended since left out; the token: the argmax,
+        greedy); None where `chunks` ask for anything else."""
+        row_of = {seq_id: i for i, seq_id in enumerate(self.seq_ids)}
+        rows = [row_of.get(c.seq.seq_id, -1) if c.decode else -1 for c in chunks]
+        if -1 in rows or rows != sorted(rows):
+            return None
         # A request's next decode index moves only by a step (a readmission prefills first).
-        assert [c.start for c in chunks] == self.starts, (self.starts, chunks)
-        return True
+        assert [c.start for c in chunks] == [self.starts[r] for r in rows], (self.starts, chunks)
+        return rows
+
+    def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                torch.Tensor]:
+        """(logits, features, positions, KV slots) of `rows`."""
+        batch = self.batch
+        tensors = (self.logits, self.features, batch.positions, batch.attn.slot_mapping)
+        if rows == list(range(len(self.seq_ids))):
+            return tensors
+        index = to_device(rows, self.logits.device)
+        return tuple(None if t is None else t.index_select(0, index) for t in tensors)
 
 
 def queue_decode(runner: ModelRunner, pages: PageTables, scheduler: Scheduler,
                  chunks: list[ScheduledChunk], next_ids: torch.Tensor) -> QueuedDecode | None:
     """Queue the decode forward of a decode step's requests (`chunks`, whose KV the step has
-    just written) one token on, its input tokens `next_ids` [R] the step's argmax on the device.
-    None where the next step will likely be another batch (a request waiting with room to be
-    admitted, a prompt still in chunks, a request at its length limit) or its pages are not
-    free (the scheduler would preempt for them)."""
-    seqs = [c.seq for c in chunks]
-    admits = scheduler.waiting and len(scheduler.running) < scheduler.cfg.max_num_seqs
-    if (admits or len(seqs) != len(scheduler.running)
-            or any(s.num_computed + 1 >= s.max_total_len for s in seqs)):
+    just written) one token on, its input tokens the step's argmax `next_ids` [R] on the
+    device, but for requests at their length limit. None where the next step will likely be a
+    step of other requests (some waiting to be admitted, a prompt still in chunks), where
+    every request ends, or where the pages are not free (the scheduler would preempt)."""
+    if scheduler.waiting or len(chunks) != len(scheduler.running):
         return None
+    going_on = [i for i, c in enumerate(chunks) if c.seq.num_computed + 1 < c.seq.max_total_len]
+    seqs = [chunks[i].seq for i in going_on]
     wanted = [(s.seq_id, s.num_computed + 1) for s in seqs]
-    if sum(pages.pages_needed(i, n) for i, n in wanted) > pages.num_free:
+    if not seqs or sum(pages.pages_needed(i, n) for i, n in wanted) > pages.num_free:
         return None
     for seq_id, tokens in wanted:
         pages.reserve(seq_id, tokens)
     items = [BatchItem(s.seq_id, s.num_computed, [0]) for s in seqs]
     batch = ForwardBatch.build(Mode.DECODE, items, pages, runner.device)
-    batch.input_ids = next_ids
+    batch.input_ids = (next_ids if len(seqs) == len(chunks)
+                       else next_ids.index_select(0, to_device(going_on, next_ids.device)))
     logits, features = runner.run(batch, gather_logits=False)
     return QueuedDecode([s.seq_id for s in seqs], [s.num_computed for s in seqs], batch,
                         logits, features)

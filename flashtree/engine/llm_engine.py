@@ -211,12 +211,14 @@ class LLMEngine:
         # All-greedy batches take the argmax over TP vocab slices without gathering logits.
         all_greedy = (all(c.seq.params.argmax_only for c in sampling)
                       and not any(scores_prompt))
-        if queued is not None and queued.answers(chunks):
-            logits, features, batch = queued.logits, queued.features, queued.batch
+        rows = None if queued is None else queued.rows_for(chunks)
+        if rows is not None:
+            logits, features, positions, slots = queued.take(rows)
             self.overlapped_decode_steps += 1
         else:
             logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
             batch = self.runner.last_batch
+            positions, slots = batch.positions, batch.attn.slot_mapping
         if any(scores_prompt):
             logits = self.outputs.record_prompt_logprobs(chunks, scores_prompt, logits)
         for c in chunks:
@@ -227,7 +229,7 @@ class LLMEngine:
             leases = self.pages.leases([c.seq.seq_id for c in chunks])
             assert None not in leases, "a chunk's request holds no pages (its forward wrote them)"
             self.proposer.defer(ContextRows(
-                features, positions=batch.positions, slots=batch.attn.slot_mapping,
+                features, positions=positions, slots=slots,
                 leases=leases, counts=None if mode == Mode.DECODE else tuple(
                     c.count for c in chunks)))
         if any(c.seq.matcher is not None for c in sampling):

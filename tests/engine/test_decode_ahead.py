@@ -152,3 +152,25 @@ def check_drafter_steps(tmp_path, device: str) -> None:
     assert max(n for _, lengths in with_overlap for n in lengths) > 1  # speculation accepted
     assert overlapped.engine.overlapped_decode_steps > 5
     _assert_pages_back(overlapped)
+
+
+def test_each_decode_step_but_the_first_takes_its_queued_forward_as_requests_end(tiny_dir):
+    """Requests admitted together that end one by one (six lengths, two at stop tokens the host
+    sees a step late): every decode step after the first takes the forward queued for it, its
+    rows of the requests that go on, and the tokens are those without the overlap."""
+    prompts = _prompts(6)
+    lengths = [_greedy(i, max_tokens=5 + 3 * i) for i in range(6)]
+    free_run = [o.outputs[0].token_ids
+                for o in _llm(tiny_dir, overlap=False, max_num_seqs=8).generate(prompts, lengths)]
+    stops = {i: out[2] for i, out in enumerate(free_run) if i in (3, 5) and out[2] not in out[:2]}
+    assert stops, "no request has a fresh third token to stop at"
+    params = [_greedy(i, max_tokens=5 + 3 * i,
+                      stop_token_ids=[stops[i]] if i in stops else None) for i in range(6)]
+    expected = [o.outputs[0].token_ids
+                for o in _llm(tiny_dir, overlap=False, max_num_seqs=8).generate(prompts, params)]
+    llm = _llm(tiny_dir, overlap=True, max_num_seqs=8)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected and any(len(t) == 3 for t in got)
+    # The prefill samples each first token; of the decode steps after it, all but the first.
+    assert llm.engine.overlapped_decode_steps == max(len(t) for t in got) - 2
+    _assert_pages_back(llm)
