@@ -49,6 +49,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "2x faster decoding than float32; bfloat16 activations in them)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every forward runs eagerly (debugging)")
+    p.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
+                   help="read each plain decode step's tokens before launching the next "
+                        "(by default, on CUDA, the next is queued first)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt from scratch instead of reusing the KV pages "
                         "of prefixes computed before")
@@ -297,6 +300,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   block_size=args.block_size, tree_budget=args.tree_budget,
                   topk_cap=args.topk_cap, tree_sampling=args.tree_sampling,
                   spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
+                  overlap_decode=args.overlap_decode,
                   enable_prefix_caching=args.prefix_caching,
                   device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, seed=args.seed,
@@ -420,6 +424,7 @@ def _load(args: argparse.Namespace):
     llm = LLM(model=args.model, draft=args.draft, spec=args.spec, block_size=args.block_size,
               tree_budget=args.tree_budget, topk_cap=args.topk_cap,
               spec_policy=args.spec_policy, enforce_eager=args.enforce_eager,
+              overlap_decode=args.overlap_decode,
               enable_prefix_caching=args.prefix_caching,
               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               seed=args.seed, threads=args.threads, quantization=args.quantization,

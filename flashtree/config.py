@@ -145,3 +145,6 @@ class EngineConfig:
     spec: SpecConfig | None = None  # None: plain decoding
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs (debugging)
+    # Queue each greedy plain decode step before the step before it reads its tokens (on CUDA;
+    # on a CPU nothing would run meanwhile): `engine/decode_ahead.py`.
+    overlap_decode: bool = True

@@ -55,6 +55,7 @@ class LLM:
         skip_tokenizer_init: bool = False,
         seed: int = 0,
         enforce_eager: bool = False,
+        overlap_decode: bool = True,
         tree_sampling: str = "match",
         spec_policy: str = "adaptive",
         page_size: int = 16,
@@ -135,7 +136,7 @@ class LLM:
                 skip_tokenizer_init=skip_tokenizer_init, seed=seed, tree_sampling=tree_sampling,
                 spec_policy=spec_policy, cache=cache,
                 max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
-                quantization=quantization)
+                overlap_decode=overlap_decode, quantization=quantization)
         except BaseException:
             self.shutdown()
             raise
@@ -165,8 +166,8 @@ class LLM:
 
     def _build(self, *, model, draft, modules, spec, block_size, tree_budget, topk_cap, dtype,
                max_model_len, max_num_seqs, skip_tokenizer_init, seed, tree_sampling,
-               spec_policy, cache, max_num_batched_tokens, enforce_eager, quantization
-               ) -> None:
+               spec_policy, cache, max_num_batched_tokens, enforce_eager, overlap_decode,
+               quantization) -> None:
         self.dtype = parse_dtype(dtype, self.device)
         if modules is None:
             path = resolve_model_path(model)
@@ -197,7 +198,8 @@ class LLM:
             max_model_len=max_model_len or min(limit, 4096),
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        args = EngineConfig(self.device, self.dtype, sched, cache, spec_cfg, seed, enforce_eager)
+        args = EngineConfig(self.device, self.dtype, sched, cache, spec_cfg, seed, enforce_eager,
+                            overlap_decode)
         self.engine = LLMEngine(self.model, self.model_config, self.tokenizer, args, self.drafter)
 
     def _pack_int4(self, path) -> None:

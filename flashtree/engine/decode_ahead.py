@@ -10,6 +10,7 @@ stream; nothing it computed is read."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ class QueuedDecode:
     batch: ForwardBatch
     logits: torch.Tensor  # [R, vocab slice]
     features: torch.Tensor | None
+    taken: bool = False
 
     def rows_for(self, chunks: list[ScheduledChunk]) -> list[int] | None:
         """This forward's rows that answer `chunks`: one decode token of each of the requests
@@ -47,6 +49,7 @@ class QueuedDecode:
     def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
                                                 torch.Tensor]:
         """(logits, features, positions, KV slots) of `rows`."""
+        self.taken = True
         batch = self.batch
         tensors = (self.logits, self.features, batch.positions, batch.attn.slot_mapping)
         if rows == list(range(len(self.seq_ids))):
@@ -56,18 +59,22 @@ class QueuedDecode:
 
 
 def queue_decode(runner: ModelRunner, pages: PageTables, scheduler: Scheduler,
-                 chunks: list[ScheduledChunk], next_ids: torch.Tensor) -> QueuedDecode | None:
+                 chunks: list[ScheduledChunk], next_ids: torch.Tensor,
+                 plain_next: Callable[[int], bool]) -> QueuedDecode | None:
     """Queue the decode forward of a decode step's requests (`chunks`, whose KV the step has
     just written) one token on, its input tokens the step's argmax `next_ids` [R] on the
-    device, but for requests at their length limit. None where the next step will likely be a
-    step of other requests (some waiting to be admitted, a prompt still in chunks), where
-    every request ends, or where the pages are not free (the scheduler would preempt)."""
-    if scheduler.waiting or len(chunks) != len(scheduler.running):
-        return None
+    device, but for requests at their length limit. None where the next step will likely be
+    another kind of step (a request admitted: one waits and `max_num_seqs` leaves room; a
+    prompt still in chunks; not `plain_next(requests)`), where every request ends, or where
+    the pages are not free (the scheduler would preempt)."""
     going_on = [i for i, c in enumerate(chunks) if c.seq.num_computed + 1 < c.seq.max_total_len]
+    admits = scheduler.waiting and len(going_on) < scheduler.cfg.max_num_seqs
+    if admits or len(chunks) != len(scheduler.running):
+        return None
     seqs = [chunks[i].seq for i in going_on]
     wanted = [(s.seq_id, s.num_computed + 1) for s in seqs]
-    if not seqs or sum(pages.pages_needed(i, n) for i, n in wanted) > pages.num_free:
+    if (not seqs or not plain_next(len(seqs))
+            or sum(pages.pages_needed(i, n) for i, n in wanted) > pages.num_free):
         return None
     for seq_id, tokens in wanted:
         pages.reserve(seq_id, tokens)

@@ -10,6 +10,7 @@ import time
 import torch
 
 from flashtree.config import EngineConfig
+from flashtree.distributed import get_tp_size
 from flashtree.distributed.vocab import vocab_argmax
 from flashtree.engine.decode_ahead import QueuedDecode, queue_decode
 from flashtree.engine.output_processor import OutputProcessor
@@ -92,9 +93,10 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built for the first guided request
         # Each greedy plain decode step queues the next before it reads its tokens
         # (`decode_ahead`); on a CPU nothing would run meanwhile, so there it is off.
-        self.overlap_decode = args.device.type == "cuda"
+        self.overlap_decode = args.overlap_decode and args.device.type == "cuda"
         self._queued: QueuedDecode | None = None
-        self.overlapped_decode_steps = 0  # steps that took a queued forward
+        # Steps that took a queued forward, and queued forwards no step took.
+        self.overlapped_decode_steps = self.dropped_decode_steps = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -152,9 +154,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Sequence]:
         """Run one forward; return the sequences that got new tokens."""
+        queued, self._queued = self._queued, None  # a plain decode step may take it
+        try:
+            return self._step(queued)
+        finally:
+            self.dropped_decode_steps += queued is not None and not queued.taken
+
+    def _step(self, queued: QueuedDecode | None) -> list[Sequence]:
         start = time.perf_counter()  # the policy times whole steps, scheduling included
         chunks = self.scheduler.schedule()
-        queued, self._queued = self._queued, None  # a plain decode step may take it
         if not chunks:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             raise RuntimeError("no request fits in the KV cache; lower max_tokens or the prompt")
@@ -202,11 +210,6 @@ class LLMEngine:
         # Chunks of prompts whose log-probs are asked score every row, the others their last
         # row where they sample.
         scores_prompt = [not c.decode and c.seq.wants_prompt_logprobs for c in chunks]
-        items = [
-            BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
-                      all_logits=every, wants_logits=c.samples or every)
-            for c, every in zip(chunks, scores_prompt)
-        ]
         sampling = [c for c in chunks if c.samples]
         # All-greedy batches take the argmax over TP vocab slices without gathering logits.
         all_greedy = (all(c.seq.params.argmax_only for c in sampling)
@@ -216,6 +219,11 @@ class LLMEngine:
             logits, features, positions, slots = queued.take(rows)
             self.overlapped_decode_steps += 1
         else:
+            items = [
+                BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
+                          all_logits=every, wants_logits=c.samples or every)
+                for c, every in zip(chunks, scores_prompt)
+            ]
             logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
             batch = self.runner.last_batch
             positions, slots = batch.positions, batch.attn.slot_mapping
@@ -238,19 +246,39 @@ class LLMEngine:
         if not sampling:
             tokens = []
         elif all_greedy:  # one device read for the batch
-            next_ids = vocab_argmax(logits, self.runner.model.lm_head.vocab_start)
-            read = start_to_host(next_ids)  # before the next step queues behind it
-            if self.overlap_decode and mode is Mode.DECODE:
-                self._queued = queue_decode(self.runner, self.pages, self.scheduler, chunks,
-                                            next_ids)
-            tokens = read().tolist()
+            tokens = self._greedy_tokens(logits, chunks if mode is Mode.DECODE else None)
         else:
             tokens = self._sample(logits, sampling)
         for i, (c, token) in enumerate(zip(sampling, tokens)):
             if token is not None:
                 with self.outputs.isolated(c.seq):
                     self.outputs.append(c.seq, [token], record=c.decode, logits=logits[i : i + 1])
+        if self._queued is not None and not self.scheduler.running:
+            self._queued = None  # every request ended: nothing will take it
+            self.dropped_decode_steps += 1
         return [c.seq for c in sampling]
+
+    def _greedy_tokens(self, logits: torch.Tensor, decode: list[ScheduledChunk] | None
+                       ) -> list[int]:
+        """The argmax of each row, read in one copy; a decode step's `decode` chunks queue the
+        next decode step first where it will run plain (`decode_ahead`)."""
+        next_ids = vocab_argmax(logits, self.runner.model.lm_head.vocab_start)
+        read = start_to_host(next_ids)  # before the next step queues behind it
+        if decode is not None and self.overlap_decode:
+            try:
+                self._queued = queue_decode(self.runner, self.pages, self.scheduler, decode,
+                                            next_ids, self._plain_next)
+            except torch.OutOfMemoryError:  # the step goes on without it
+                self._queued = None
+        return read().tolist()
+
+    def _plain_next(self, requests: int) -> bool:
+        """Whether the next decode step of `requests` requests runs plain, as every rank can
+        tell: without a drafter; with one, where the policy (one process: under tensor
+        parallelism only rank 0's knows) plans no speculation for it now."""
+        if self.policy is None:
+            return True
+        return get_tp_size() == 1 and self.policy.decisions().plan(requests) == 0
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int | None]:
         """One token per chunk (logits [len(chunks), vocab]), drawn for the whole batch at once;

@@ -1,12 +1,14 @@
 """Overlapped plain decoding (`flashtree/engine/decode_ahead.py`): each greedy decode step queued
 before the step before it reads its tokens commits exactly what the same engine commits without
-the overlap, one request at a time, through preemption, chunked prefill, arrivals, stop tokens
-and aborts; a queued step some other batch replaces wastes its work and nothing else, and every
-KV page comes back."""
+the overlap (and, on a CPU, one request at a time), through preemption, chunked prefill,
+arrivals, stop tokens, an abort of a request a queued step holds and a full `max_num_seqs`; a
+step takes the rows of the requests that go on; a queued step nothing takes is counted and let
+go; every KV page comes back."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,62 +40,125 @@ def _greedy(i: int, **kw) -> SamplingParams:
                              **kw})
 
 
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
 def _assert_pages_back(llm: LLM) -> None:
     pages, scheduler = llm.engine.pages, llm.engine.scheduler
     assert pages.num_free == pages.num_pages
     assert not scheduler.running and not scheduler.waiting
+    assert llm.engine._queued is None  # let go once every request ended
 
 
 def test_overlapped_decoding_commits_one_at_a_time_tokens_under_pressure(tiny_dir):
-    check_under_pressure(tiny_dir, "cpu")
-
-
-def check_under_pressure(tiny_dir, device: str) -> None:
     prompts, params = _prompts(24), [_greedy(i) for i in range(24)]
-    solo = _llm(tiny_dir, overlap=False, device=device, max_num_seqs=1)
-    expected = [solo.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    # 40 pages of 4 tokens hold a few of 8 requests of up to ~58 tokens: preemption; a prefill
-    # budget of 16 tokens chunks the longer prompts.
-    crowded = _llm(tiny_dir, overlap=True, device=device, max_num_seqs=8, page_size=4,
-                   kv_cache_pages=40, max_num_batched_tokens=16)
-    outs = crowded.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    solo = _llm(tiny_dir, overlap=False, max_num_seqs=1)
+    assert check_under_pressure(tiny_dir, "cpu") == _tokens(solo, prompts, params)
+
+
+def check_under_pressure(tiny_dir, device: str) -> list[list[int]]:
+    """24 requests in 40 pages of 4 tokens, 8 at a time (preemption), prompts prefilled 16
+    tokens a step (chunks): the same tokens with and without the overlap; those tokens."""
+    prompts, params = _prompts(24), [_greedy(i) for i in range(24)]
+    kw = dict(device=device, max_num_seqs=8, page_size=4, kv_cache_pages=40,
+              max_num_batched_tokens=16)
+    expected = _tokens(_llm(tiny_dir, overlap=False, **kw), prompts, params)
+    crowded = _llm(tiny_dir, overlap=True, **kw)
+    assert _tokens(crowded, prompts, params) == expected
     assert crowded.engine.scheduler.num_preemptions > 0
     assert crowded.engine.overlapped_decode_steps >= 5  # where no admission was due
     _assert_pages_back(crowded)
+    return expected
 
 
-def _drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    """Requests arriving one every three steps; the second aborted at step 7."""
+def _drive(llm: LLM, prompts, params, abort_at: int | None) -> tuple[list[list[int]], int]:
+    """Requests arriving one every three steps; the second aborted at step `abort_at`, or
+    (None) at the first step from 7 on where a queued forward holds it. -> (outputs, the
+    abort's step)."""
     engine, seqs, step = llm.engine, [], 0
     while len(seqs) < len(prompts) or engine.has_unfinished():
         if step % 3 == 0 and len(seqs) < len(prompts):
             seqs.append(engine.add_request(prompts[len(seqs)], params[len(seqs)]))
-        if step == 7:
+        held = (len(seqs) > 1 and engine._queued is not None
+                and seqs[1].seq_id in engine._queued.seq_ids)
+        if step == abort_at or (abort_at is None and step >= 7 and held):
+            abort_at = step
             engine.abort(seqs[1])
         if engine.has_unfinished():
             engine.step()
         step += 1
-    return [list(s.output_ids) for s in seqs]
+    return [list(s.output_ids) for s in seqs], abort_at
 
 
-def test_stop_tokens_arrivals_and_aborts_end_queued_steps_without_a_trace(tiny_dir):
+def test_stop_tokens_arrivals_and_an_abort_end_queued_steps_without_a_trace(tiny_dir):
     """Requests end at a stop token the host sees only after the next step is queued; others
-    arrive and one is aborted between steps: the same tokens as without the overlap."""
+    arrive between steps, and one is aborted while a queued step holds it: the same tokens as
+    without the overlap."""
     prompts = _prompts(6)
-    plain = _llm(tiny_dir, overlap=False, max_num_seqs=4)
-    free_run = _drive(plain, prompts, [_greedy(i, max_tokens=24) for i in range(6)])
-    # Each request stops at its fourth token's id where that one is not among the first three.
-    stops = [[out[3]] if len(out) > 3 and out[3] not in out[:3] else None for out in free_run]
+    free_run, _ = _drive(_llm(tiny_dir, overlap=False, max_num_seqs=4), prompts,
+                         [_greedy(i, max_tokens=24) for i in range(6)], abort_at=10**9)
+    # Each request but the one to abort stops at its fourth token's id where that one is not
+    # among the first three.
+    stops = [[out[3]] if i != 1 and len(out) > 3 and out[3] not in out[:3] else None
+             for i, out in enumerate(free_run)]
     assert sum(s is not None for s in stops) >= 2
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=s)
-              for s in stops]
-    expected = _drive(_llm(tiny_dir, overlap=False, max_num_seqs=4), prompts, params)
+    params = [_greedy(i, max_tokens=24, stop_token_ids=s) for i, s in enumerate(stops)]
     overlapped = _llm(tiny_dir, overlap=True, max_num_seqs=4)
-    assert _drive(overlapped, prompts, params) == expected
-    assert any(len(out) == 4 for out in expected)  # a stop token ended a request
+    got, aborted_at = _drive(overlapped, prompts, params, abort_at=None)
+    assert aborted_at is not None, "no queued step held the request to abort"
+    expected, _ = _drive(_llm(tiny_dir, overlap=False, max_num_seqs=4), prompts, params,
+                         abort_at=aborted_at)
+    assert got == expected and any(len(out) == 4 for out in expected)  # a stop ended one
     assert overlapped.engine.overlapped_decode_steps > 5
     _assert_pages_back(overlapped)
+
+
+def test_each_decode_step_but_the_first_takes_its_queued_forward_as_requests_end(tiny_dir):
+    """Requests admitted together that end one by one (six lengths, two at stop tokens the host
+    sees a step late): every decode step after the first takes the forward queued for it, its
+    rows of the requests that go on; the tokens are those without the overlap."""
+    prompts = _prompts(6)
+    lengths = [_greedy(i, max_tokens=5 + 3 * i) for i in range(6)]
+    free_run = _tokens(_llm(tiny_dir, overlap=False, max_num_seqs=8), prompts, lengths)
+    stops = {i: out[2] for i, out in enumerate(free_run) if i in (3, 5) and out[2] not in out[:2]}
+    assert stops, "no request has a fresh third token to stop at"
+    params = [_greedy(i, max_tokens=5 + 3 * i,
+                      stop_token_ids=[stops[i]] if i in stops else None) for i in range(6)]
+    expected = _tokens(_llm(tiny_dir, overlap=False, max_num_seqs=8), prompts, params)
+    llm = _llm(tiny_dir, overlap=True, max_num_seqs=8)
+    got = _tokens(llm, prompts, params)
+    assert got == expected and any(len(t) == 3 for t in got)
+    # The prefill samples each first token; of the decode steps after it, all but the first.
+    assert llm.engine.overlapped_decode_steps == max(len(t) for t in got) - 2
+    assert llm.engine.dropped_decode_steps == 0
+    _assert_pages_back(llm)
+
+
+def test_a_full_max_num_seqs_with_requests_waiting_still_overlaps(tiny_dir):
+    """Two running, four waiting: no admission is due until a request reaches its length
+    limit, which the host knows a step ahead, so no queued step is dropped."""
+    prompts, params = _prompts(6), [_greedy(i, max_tokens=8 + 2 * i) for i in range(6)]
+    expected = _tokens(_llm(tiny_dir, overlap=False, max_num_seqs=2), prompts, params)
+    llm = _llm(tiny_dir, overlap=True, max_num_seqs=2)
+    assert _tokens(llm, prompts, params) == expected
+    decode_steps = sum(p.max_tokens - 1 for p in params)  # an upper bound: batches of two
+    assert llm.engine.overlapped_decode_steps > 0.3 * decode_steps
+    assert llm.engine.dropped_decode_steps == 0
+    _assert_pages_back(llm)
+
+
+def test_a_queued_step_nothing_takes_is_let_go(tiny_dir):
+    """The last request ends at a stop token: the step queued behind its last token is
+    counted dropped and not kept alive by the idle engine."""
+    prompt = _prompts(1)
+    free_run = _tokens(_llm(tiny_dir, overlap=False), prompt, [_greedy(0, max_tokens=12)])[0]
+    stop = next(t for i, t in enumerate(free_run) if i >= 2 and t not in free_run[:i])
+    llm = _llm(tiny_dir, overlap=True)
+    got = _tokens(llm, prompt, [_greedy(0, max_tokens=12, stop_token_ids=[stop])])[0]
+    assert got[-1] == stop and len(got) < 12
+    assert llm.engine.dropped_decode_steps == 1
+    _assert_pages_back(llm)
 
 
 def test_sampled_requests_are_not_overlapped(tiny_dir):
@@ -101,7 +166,7 @@ def test_sampled_requests_are_not_overlapped(tiny_dir):
     llm = _llm(tiny_dir, overlap=True, max_num_seqs=4)
     params = [_greedy(0, max_tokens=12), SamplingParams(temperature=0.8, max_tokens=12, seed=1)]
     llm.generate(_prompts(2), params)
-    assert llm.engine.overlapped_decode_steps == 0
+    assert llm.engine.overlapped_decode_steps == llm.engine.dropped_decode_steps == 0
 
 
 class _ThreePlainThenOne:
@@ -117,16 +182,20 @@ class _ThreePlainThenOne:
     def observe(self, result) -> None:
         pass
 
+    def decisions(self):
+        upcoming = self.budget if (self.steps + 1) % 4 == 0 else 0
+        return SimpleNamespace(plan=lambda requests: upcoming)
+
 
 def test_a_drafters_plain_steps_overlap_without_changing_its_drafts(tmp_path):
-    """A DDTree engine whose policy mixes plain and speculative steps: its queued plain steps
-    also wrote the drafter's context, and a speculative step may follow one it queued. The
-    tokens are plain decoding's, and every draft's logits are those without the overlap: the
-    drafter read the same context."""
     check_drafter_steps(tmp_path, "cpu")
 
 
 def check_drafter_steps(tmp_path, device: str) -> None:
+    """A DDTree engine whose policy mixes plain and speculative steps: its queued plain steps
+    also wrote the drafter's context. The tokens are plain decoding's, and every draft's logits
+    are those without the overlap (the drafter read the same context); no queued step is
+    dropped, since none is queued before a speculative step."""
     target, drafter = save_agreeing_pair(tmp_path, 4)
     prompts = _prompts(5, vocab=5)
 
@@ -136,12 +205,12 @@ def check_drafter_steps(tmp_path, device: str) -> None:
         drafts = []
         if spec != "none":
             llm.engine.policy = _ThreePlainThenOne(6)
-            draft = llm.engine.proposer.draft
-            logits = draft.logits
-            draft.logits = lambda *a, **kw: drafts.append(logits(*a, **kw)) or drafts[-1]
+            runner = llm.engine.proposer.runner  # the drafter's forwards, replayed or not
+            forward = runner.run
+            runner.run = lambda *a, **kw: drafts.append(forward(*a, **kw)) or drafts[-1]
         outs = llm.generate(prompts, [_greedy(i, max_tokens=20) for i in range(5)])
         return llm, [(o.outputs[0].token_ids, o.outputs[0].spec_accept_lengths) for o in outs
-                     ], drafts
+                     ], [d[0] for d in drafts if d[0].numel()]
 
     overlapped, with_overlap, drafts = run("ddtree", True)
     _, without, expected_drafts = run("ddtree", False)
@@ -151,26 +220,17 @@ def check_drafter_steps(tmp_path, device: str) -> None:
     assert [t for t, _ in with_overlap] == [t for t, _ in run("none", False)[1]]
     assert max(n for _, lengths in with_overlap for n in lengths) > 1  # speculation accepted
     assert overlapped.engine.overlapped_decode_steps > 5
+    assert overlapped.engine.dropped_decode_steps == 0
     _assert_pages_back(overlapped)
 
 
-def test_each_decode_step_but_the_first_takes_its_queued_forward_as_requests_end(tiny_dir):
-    """Requests admitted together that end one by one (six lengths, two at stop tokens the host
-    sees a step late): every decode step after the first takes the forward queued for it, its
-    rows of the requests that go on, and the tokens are those without the overlap."""
-    prompts = _prompts(6)
-    lengths = [_greedy(i, max_tokens=5 + 3 * i) for i in range(6)]
-    free_run = [o.outputs[0].token_ids
-                for o in _llm(tiny_dir, overlap=False, max_num_seqs=8).generate(prompts, lengths)]
-    stops = {i: out[2] for i, out in enumerate(free_run) if i in (3, 5) and out[2] not in out[:2]}
-    assert stops, "no request has a fresh third token to stop at"
-    params = [_greedy(i, max_tokens=5 + 3 * i,
-                      stop_token_ids=[stops[i]] if i in stops else None) for i in range(6)]
-    expected = [o.outputs[0].token_ids
-                for o in _llm(tiny_dir, overlap=False, max_num_seqs=8).generate(prompts, params)]
-    llm = _llm(tiny_dir, overlap=True, max_num_seqs=8)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert got == expected and any(len(t) == 3 for t in got)
-    # The prefill samples each first token; of the decode steps after it, all but the first.
-    assert llm.engine.overlapped_decode_steps == max(len(t) for t in got) - 2
-    _assert_pages_back(llm)
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["chat"]])
+def test_the_overlap_can_be_switched_off(tiny_dir, command):
+    """`overlap_decode=False` (`--no-overlap-decode`) reads each step's tokens before the next
+    launch, on CUDA too; it is on by default."""
+    from flashtree.cli import build_parser
+
+    assert build_parser().parse_args(command).overlap_decode is True
+    assert build_parser().parse_args([*command, "--no-overlap-decode"]).overlap_decode is False
+    llm = LLM(model=str(tiny_dir), device="cpu", skip_tokenizer_init=True, overlap_decode=False)
+    assert llm.engine.args.overlap_decode is False

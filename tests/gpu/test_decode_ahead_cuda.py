@@ -1,7 +1,7 @@
 """Overlapped plain decoding on CUDA, where it is on by default and each queued step replays a
 captured graph behind the argmax it reads its tokens from, and the step's read waits for its
-own copy only: the same tokens as one request at a time and as without the overlap, the same
-draft logits on a DDTree engine mixing plain and speculative steps. Skips without CUDA."""
+own copy only: the same tokens as without the overlap under pressure, the same draft logits on
+a DDTree engine mixing plain and speculative steps. Skips without CUDA."""
 
 from __future__ import annotations
 
