@@ -1,12 +1,12 @@
 """A plain decode step queued before the step before it reads its tokens (overlap scheduling,
-as vLLM's async scheduling and SGLang's overlap scheduler do it). A greedy decode batch's next
-input tokens are its argmax, already on the device, and its next positions and slots are known
-on the host, so the next forward can run while the host reads the tokens, appends them and
-schedules. The next step takes it where it decodes that batch again, or the part of it whose
-requests go on (each row of a decode forward depends on its own request alone). Where it does
-not, the queued forward wrote each request's next token's KV (the token the next real step
-writes again: greedy) or into pages freed since, which every later owner's writes follow on the
-stream; nothing it computed is read."""
+as vLLM's async scheduling and SGLang's overlap scheduler do it). A greedy batch's next input
+tokens are its argmax, already on the device, and its next positions and slots are known on
+the host, so the next forward can run while the host reads the tokens, appends them and
+schedules. The next step takes it where it decodes those requests again, or the part of them
+that goes on (each row of a decode forward depends on its own request alone), a mixed step then
+running its prompt chunks alone. Where it does not, the queued forward wrote each request's
+next token's KV (the token the next real step writes again: greedy) or into pages freed since,
+which every later owner's writes follow on the stream; nothing it computed is read."""
 
 from __future__ import annotations
 
@@ -61,15 +61,17 @@ class QueuedDecode:
 def queue_decode(runner: ModelRunner, pages: PageTables, scheduler: Scheduler,
                  chunks: list[ScheduledChunk], next_ids: torch.Tensor,
                  plain_next: Callable[[int], bool]) -> QueuedDecode | None:
-    """Queue the decode forward of a decode step's requests (`chunks`, whose KV the step has
-    just written) one token on, its input tokens the step's argmax `next_ids` [R] on the
-    device, but for requests at their length limit. None where the next step will likely be
-    another kind of step (a request admitted: one waits and `max_num_seqs` leaves room; a
-    prompt still in chunks; not `plain_next(requests)`), where every request ends, or where
-    the pages are not free (the scheduler would preempt)."""
+    """Queue the decode forward of the requests a step sampled a token for (`chunks`, whose
+    KV the step has just written) one token on, its input tokens the step's argmax `next_ids`
+    [R] on the device, but for requests at their length limit. None where the next step will
+    likely not decode them: a prompt still in chunks, an admission that runs as a prompt step
+    of its own (`scheduler.mixes`), not `plain_next(requests)`; where every request ends; or
+    where the pages are not free (the scheduler would preempt)."""
     going_on = [i for i, c in enumerate(chunks) if c.seq.num_computed + 1 < c.seq.max_total_len]
-    admits = scheduler.waiting and len(going_on) < scheduler.cfg.max_num_seqs
-    if admits or len(chunks) != len(scheduler.running):
+    if len(chunks) != len(scheduler.running) or (
+            scheduler.waiting and len(going_on) < scheduler.cfg.max_num_seqs
+            and not scheduler.mixes(1, len(going_on), min(
+                scheduler.waiting[0].num_tokens, scheduler.cfg.max_num_batched_tokens))):
         return None
     seqs = [chunks[i].seq for i in going_on]
     wanted = [(s.seq_id, s.num_computed + 1) for s in seqs]

@@ -204,9 +204,9 @@ class LLMEngine:
         a prompt batch). With a drafter, the new tokens' context features go to the draft KV
         cache before the next draft: the first token of a prompt does not wait for them, nor
         does a plain step the policy chose (a decode or prompt graph writes them itself, and
-        returns none). `queued`: the forward the step before queued, taken where it answers
-        `chunks`; a greedy decode step queues the next one's (`decode_ahead`)."""
-        mode = Mode.DECODE if step_kind(chunks) == "decode" else Mode.PREFILL
+        returns none). `queued`: the decode forward the step before queued, whose rows answer
+        the decode chunks where they can (a mixed step then runs its prompt chunks alone); a
+        greedy step queues the next one's (`decode_ahead`)."""
         # Chunks of prompts whose log-probs are asked score every row, the others their last
         # row where they sample.
         scores_prompt = [not c.decode and c.seq.wants_prompt_logprobs for c in chunks]
@@ -214,39 +214,29 @@ class LLMEngine:
         # All-greedy batches take the argmax over TP vocab slices without gathering logits.
         all_greedy = (all(c.seq.params.argmax_only for c in sampling)
                       and not any(scores_prompt))
-        rows = None if queued is None else queued.rows_for(chunks)
+        decode = [c for c in chunks if c.decode]  # a step's decode chunks come first
+        rows = queued.rows_for(decode) if queued is not None and decode and all_greedy else None
+        parts = []  # (chunks, mode, logits, features, positions, slots) of each forward
         if rows is not None:
-            logits, features, positions, slots = queued.take(rows)
+            parts.append((decode, Mode.DECODE, *queued.take(rows)))
             self.overlapped_decode_steps += 1
-        else:
-            items = [
-                BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
-                          all_logits=every, wants_logits=c.samples or every)
-                for c, every in zip(chunks, scores_prompt)
-            ]
-            logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
-            batch = self.runner.last_batch
-            positions, slots = batch.positions, batch.attn.slot_mapping
+        if rest := chunks[len(decode):] if rows is not None else chunks:
+            parts.append((rest, *self._forward(rest, scores_prompt[-len(rest):], all_greedy)))
+        logits = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
         if any(scores_prompt):
             logits = self.outputs.record_prompt_logprobs(chunks, scores_prompt, logits)
         for c in chunks:
             c.seq.num_computed = c.start + c.count
             self.pages.set_length(c.seq.seq_id, c.seq.num_computed)
-        if self.proposer is not None and features is not None:
-            # The rows' positions and slots are the target batch's (the caches share pages).
-            leases = self.pages.leases([c.seq.seq_id for c in chunks])
-            assert None not in leases, "a chunk's request holds no pages (its forward wrote them)"
-            self.proposer.defer(ContextRows(
-                features, positions=positions, slots=slots,
-                leases=leases, counts=None if mode == Mode.DECODE else tuple(
-                    c.count for c in chunks)))
+        for part in parts:
+            self._defer_context(*part)
         if any(c.seq.matcher is not None for c in sampling):
             logits = mask_by_grammar(logits, [(c.seq.matcher, [c.seq.last_token], [0])
                                               for c in sampling])
         if not sampling:
             tokens = []
         elif all_greedy:  # one device read for the batch
-            tokens = self._greedy_tokens(logits, chunks if mode is Mode.DECODE else None)
+            tokens = self._greedy_tokens(logits, sampling)
         else:
             tokens = self._sample(logits, sampling)
         for i, (c, token) in enumerate(zip(sampling, tokens)):
@@ -258,16 +248,41 @@ class LLMEngine:
             self.dropped_decode_steps += 1
         return [c.seq for c in sampling]
 
-    def _greedy_tokens(self, logits: torch.Tensor, decode: list[ScheduledChunk] | None
+    def _forward(self, chunks: list[ScheduledChunk], scores_prompt: list[bool],
+                 all_greedy: bool) -> tuple:
+        """The target forward of `chunks` -> (mode, scored rows' logits, features, positions,
+        KV slots)."""
+        mode = Mode.DECODE if step_kind(chunks) == "decode" else Mode.PREFILL
+        items = [BatchItem(c.seq.seq_id, c.start, c.seq.token_slice(c.start, c.start + c.count),
+                           all_logits=every, wants_logits=c.samples or every)
+                 for c, every in zip(chunks, scores_prompt)]
+        logits, features = self.runner.forward(mode, items, gather_logits=not all_greedy)
+        batch = self.runner.last_batch
+        return mode, logits, features, batch.positions, batch.attn.slot_mapping
+
+    def _defer_context(self, chunks: list[ScheduledChunk], mode: Mode, logits: torch.Tensor,
+                       features: torch.Tensor | None, positions: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+        """Keep a forward's context features for the next draft (where it returned them)."""
+        if self.proposer is None or features is None:
+            return
+        # The rows' positions and slots are the target batch's (the caches share pages).
+        leases = self.pages.leases([c.seq.seq_id for c in chunks])
+        assert None not in leases, "a chunk's request holds no pages (its forward wrote them)"
+        self.proposer.defer(ContextRows(
+            features, positions=positions, slots=slots, leases=leases,
+            counts=None if mode == Mode.DECODE else tuple(c.count for c in chunks)))
+
+    def _greedy_tokens(self, logits: torch.Tensor, sampling: list[ScheduledChunk]
                        ) -> list[int]:
-        """The argmax of each row, read in one copy; a decode step's `decode` chunks queue the
-        next decode step first where it will run plain (`decode_ahead`)."""
+        """The argmax of each row, read in one copy; first the next step's decode of the
+        `sampling` chunks' requests is queued, where it will run plain (`decode_ahead`)."""
         next_ids = vocab_argmax(logits, self.runner.model.lm_head.vocab_start)
         read = start_to_host(next_ids)  # before the next step queues behind it
-        if decode is not None and self.overlap_decode:
+        if self.overlap_decode:
             try:
-                self._queued = queue_decode(self.runner, self.pages, self.scheduler, decode,
-                                            next_ids, self._plain_next)
+                self._queued = queue_decode(self.runner, self.pages, self.scheduler,
+                                            sampling, next_ids, self._plain_next)
             except torch.OutOfMemoryError:  # the step goes on without it
                 self._queued = None
         return read().tolist()

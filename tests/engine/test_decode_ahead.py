@@ -114,10 +114,11 @@ def test_stop_tokens_arrivals_and_an_abort_end_queued_steps_without_a_trace(tiny
     _assert_pages_back(overlapped)
 
 
-def test_each_decode_step_but_the_first_takes_its_queued_forward_as_requests_end(tiny_dir):
+def test_each_decode_step_takes_its_queued_forward_as_requests_end(tiny_dir):
     """Requests admitted together that end one by one (six lengths, two at stop tokens the host
-    sees a step late): every decode step after the first takes the forward queued for it, its
-    rows of the requests that go on; the tokens are those without the overlap."""
+    sees a step late): every decode step takes the forward queued for it (the first, the one
+    the prefill queued), its rows of the requests that go on; the tokens are those without
+    the overlap."""
     prompts = _prompts(6)
     lengths = [_greedy(i, max_tokens=5 + 3 * i) for i in range(6)]
     free_run = _tokens(_llm(tiny_dir, overlap=False, max_num_seqs=8), prompts, lengths)
@@ -129,9 +130,9 @@ def test_each_decode_step_but_the_first_takes_its_queued_forward_as_requests_end
     llm = _llm(tiny_dir, overlap=True, max_num_seqs=8)
     got = _tokens(llm, prompts, params)
     assert got == expected and any(len(t) == 3 for t in got)
-    # The prefill samples each first token; of the decode steps after it, all but the first.
-    assert llm.engine.overlapped_decode_steps == max(len(t) for t in got) - 2
-    assert llm.engine.dropped_decode_steps == 0
+    # The prefill samples each first token; every decode step after it took a queued forward.
+    assert llm.engine.overlapped_decode_steps == max(len(t) for t in got) - 1
+    assert llm.engine.dropped_decode_steps == 0  # a stop leaves its row untaken, no more
     _assert_pages_back(llm)
 
 
@@ -144,6 +145,32 @@ def test_a_full_max_num_seqs_with_requests_waiting_still_overlaps(tiny_dir):
     assert _tokens(llm, prompts, params) == expected
     decode_steps = sum(p.max_tokens - 1 for p in params)  # an upper bound: batches of two
     assert llm.engine.overlapped_decode_steps > 0.3 * decode_steps
+    assert llm.engine.dropped_decode_steps == 0
+    _assert_pages_back(llm)
+
+
+def test_arrivals_mix_their_prompts_with_the_queued_decode_rows(tiny_dir):
+    """A request arriving every third step: each mixed step takes the queued decode rows of
+    the running requests and runs the new prompt alone, and queues the next decode of all of
+    them; nothing queued is dropped, and the tokens are those without the overlap."""
+    prompts, params = _prompts(6), [_greedy(i, max_tokens=16) for i in range(6)]
+
+    def run(overlap: bool) -> tuple[list[list[int]], LLM, int]:
+        llm = _llm(tiny_dir, overlap, max_num_seqs=8)
+        engine, seqs, step = llm.engine, [], 0
+        while len(seqs) < len(prompts) or engine.has_unfinished():
+            if step % 3 == 0 and len(seqs) < len(prompts):
+                seqs.append(engine.add_request(prompts[len(seqs)], params[len(seqs)]))
+            engine.step()
+            step += 1
+        return [list(s.output_ids) for s in seqs], llm, step
+
+    expected, _, _ = run(False)
+    got, llm, steps = run(True)
+    assert got == expected
+    # The requests overlap in time: every step after the first prefill decodes some, and
+    # took their rows from the queue.
+    assert llm.engine.overlapped_decode_steps == steps - 1
     assert llm.engine.dropped_decode_steps == 0
     _assert_pages_back(llm)
 
