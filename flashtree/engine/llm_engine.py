@@ -91,11 +91,9 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.outputs = OutputProcessor(self.scheduler, tokenizer, frozenset(eos))
         self._grammars: GrammarCompiler | None = None  # built for the first guided request
-        # Each greedy plain decode step queues the next before it reads its tokens
-        # (`decode_ahead`); on a CPU nothing would run meanwhile, so there it is off.
-        self.overlap_decode = args.overlap_decode and args.device.type == "cuda"
-        self._queued: QueuedDecode | None = None
-        # Steps that took a queued forward, and queued forwards no step took.
+        # Greedy plain steps queue the next decode before their read (`decode_ahead`), on CUDA
+        # (on a CPU nothing would run meanwhile); counted: steps taking one, ones none took.
+        self.overlap_decode, self._queued = args.overlap_decode and args.device.type == "cuda", None
         self.overlapped_decode_steps = self.dropped_decode_steps = 0
 
     # ------------------------------------------------------------------ requests
