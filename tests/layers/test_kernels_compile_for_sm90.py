@@ -66,6 +66,8 @@ def test_kernel_compiles_for_sm90(reports, case):
     assert reports[case]["compiled"], reports[case]
     if case == "attention:mla":
         assert reports[case]["wgmma"] > 0, reports[case]
+    if case == "attention:dense":  # 16-row tiles: their dots on the tensor cores, warp MMA
+        assert reports[case]["mma"] > 0, reports[case]
     if case == "gemv:rows":  # tensor cores: a float32 dot on the FMA units ran at 0.3 TB/s
         assert reports[case]["mma"] > 0, reports[case]
     if case in PDL_KERNELS:  # launched with PDL on Hopper: each waits for the one before
@@ -206,9 +208,10 @@ def router_case(model: str, tmp_path: Path) -> dict:
                              ids_ptr="i64"), tmp_path, 4, ("num_experts", "stride_t"))
 
 
-def attention_case(mla: str, tmp_path: Path) -> dict:
-    """The paged-attention kernel as dense GQA heads launch it, or the latent kernel with
-    DeepSeek-V3's 128 heads over 512 + 64 columns (`mla`) or a Kimi TP8 rank's 8 (`mla-rank`)."""
+def attention_case(kind: str, tmp_path: Path) -> dict:
+    """The paged-attention kernel as dense GQA heads launch it (`dense`), or the latent kernel
+    with DeepSeek-V3's 128 heads over 512 + 64 columns (`mla`) or a Kimi TP8 rank's 8
+    (`mla-rank`)."""
     from flashtree.attention.triton import _paged_attention_kernel
     from flashtree.attention.triton_mla import latent_attention_kernel, latent_tile
 
@@ -217,8 +220,8 @@ def attention_case(mla: str, tmp_path: Path) -> dict:
                     part_l_ptr="fp32", page_tables_ptr="i64", kv_lens_ptr="i64",
                     query_start_ptr="i64", mask_ptr="u8")
     strides = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_ks")
-    if mla:
-        heads = 8 if mla == "mla-rank" else 128
+    if kind != "dense":
+        heads = 8 if kind == "mla-rank" else 128
         tile = latent_tile(512, heads)
         num_warps = tile.pop("num_warps")
         tile.pop("num_stages")
