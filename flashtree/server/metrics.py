@@ -50,6 +50,10 @@ class ServerMetrics:
         self.speculative_steps = _Totals(r, "spec_decode_speculative_steps",
                                          "Decode steps that drafted, by the step's number of "
                                          "requests", "batch", vllm=False)
+        self.decode_overlap = _Totals(r, "decode_overlap_steps", "Decode forwards queued before "
+                                      "the step before read its tokens: taken by the next "
+                                      "step, or dropped (its GPU time wasted)", "outcome",
+                                      vllm=False)
 
     def observe_finished(self, req, now: float) -> None:
         seq = req.seq
@@ -68,6 +72,8 @@ class ServerMetrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(1 - pages.num_free / pages.num_pages)
+        self.decode_overlap.sync({"taken": engine.overlapped_decode_steps,
+                                  "dropped": engine.dropped_decode_steps})
         if pages.prefix is not None:
             self.prefix_queries.sync({"": pages.prefix.queried_tokens})
             self.prefix_hits.sync({"": pages.prefix.hit_tokens})

@@ -188,6 +188,27 @@ def test_a_queued_step_nothing_takes_is_let_go(tiny_dir):
     _assert_pages_back(llm)
 
 
+def test_the_server_exports_taken_and_dropped_queued_steps(tiny_dir):
+    """`/metrics` reads the engine's counts: `flashtree:decode_overlap_steps_total` by
+    outcome."""
+    from prometheus_client import generate_latest
+
+    from flashtree.server.metrics import ServerMetrics
+
+    prompt = _prompts(1)
+    free_run = _tokens(_llm(tiny_dir, overlap=False), prompt, [_greedy(0, max_tokens=12)])[0]
+    stop = next(t for i, t in enumerate(free_run) if i >= 2 and t not in free_run[:i])
+    llm = _llm(tiny_dir, overlap=True)
+    _tokens(llm, prompt, [_greedy(0, max_tokens=12, stop_token_ids=[stop])])
+    metrics = ServerMetrics()
+    metrics.refresh(llm.engine)
+    text = generate_latest(metrics.registry).decode()
+    taken = llm.engine.overlapped_decode_steps
+    assert taken > 0
+    assert f'flashtree:decode_overlap_steps_total{{outcome="taken"}} {taken}.0' in text
+    assert 'flashtree:decode_overlap_steps_total{outcome="dropped"} 1.0' in text
+
+
 def test_sampled_requests_are_not_overlapped(tiny_dir):
     """A batch with a sampled request reads its logits on the host: nothing is queued."""
     llm = _llm(tiny_dir, overlap=True, max_num_seqs=4)
