@@ -50,6 +50,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every forward runs eagerly (debugging)")
     p.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
+                   default=None,
                    help="read each plain decode step's tokens before launching the next "
                         "(by default, on CUDA, the next is queued first)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

@@ -145,6 +145,7 @@ class EngineConfig:
     spec: SpecConfig | None = None  # None: plain decoding
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs (debugging)
-    # Queue each greedy plain decode step before the step before it reads its tokens (on CUDA;
-    # on a CPU nothing would run meanwhile): `engine/decode_ahead.py`.
-    overlap_decode: bool = True
+    # Queue each greedy plain decode step before the step before it reads its tokens
+    # (`engine/decode_ahead.py`). None: on CUDA only (on a CPU nothing runs meanwhile, so it
+    # gains nothing there); True forces it on (tests on a CPU).
+    overlap_decode: bool | None = None

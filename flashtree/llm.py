@@ -55,7 +55,7 @@ class LLM:
         skip_tokenizer_init: bool = False,
         seed: int = 0,
         enforce_eager: bool = False,
-        overlap_decode: bool = True,
+        overlap_decode: bool | None = None,
         tree_sampling: str = "match",
         spec_policy: str = "adaptive",
         page_size: int = 16,

@@ -91,9 +91,11 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.outputs = OutputProcessor(self.scheduler, tokenizer, frozenset(eos))
         self._grammars: GrammarCompiler | None = None  # built for the first guided request
-        # Greedy plain steps queue the next decode before their read (`decode_ahead`), on CUDA
-        # (on a CPU nothing would run meanwhile); counted: steps taking one, ones none took.
-        self.overlap_decode, self._queued = args.overlap_decode and args.device.type == "cuda", None
+        # Greedy plain steps queue the next decode before their read (`decode_ahead`), by
+        # default on CUDA; counted: steps taking one, ones none took.
+        overlap = args.overlap_decode
+        self.overlap_decode = args.device.type == "cuda" if overlap is None else overlap
+        self._queued: QueuedDecode | None = None
         self.overlapped_decode_steps = self.dropped_decode_steps = 0
 
     # ------------------------------------------------------------------ requests

@@ -275,10 +275,13 @@ def check_drafter_steps(tmp_path, device: str) -> None:
 @pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["chat"]])
 def test_the_overlap_can_be_switched_off(tiny_dir, command):
     """`overlap_decode=False` (`--no-overlap-decode`) reads each step's tokens before the next
-    launch, on CUDA too; it is on by default."""
+    launch, on CUDA too; by default (None) it is on where the device is CUDA; True forces it
+    on anywhere."""
     from flashtree.cli import build_parser
 
-    assert build_parser().parse_args(command).overlap_decode is True
+    assert build_parser().parse_args(command).overlap_decode is None
     assert build_parser().parse_args([*command, "--no-overlap-decode"]).overlap_decode is False
     llm = LLM(model=str(tiny_dir), device="cpu", skip_tokenizer_init=True, overlap_decode=False)
-    assert llm.engine.args.overlap_decode is False
+    assert llm.engine.args.overlap_decode is False and llm.engine.overlap_decode is False
+    llm = LLM(model=str(tiny_dir), device="cpu", skip_tokenizer_init=True, overlap_decode=True)
+    assert llm.engine.overlap_decode is True

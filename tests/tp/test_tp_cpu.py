@@ -54,6 +54,25 @@ def test_tp2_equals_tp1(tiny, spec):
     assert got == want
 
 
+def test_tp2_with_overlapped_decoding_equals_tp1(tiny):
+    """Every rank queues each greedy decode step before its read (`decode_ahead`, forced on
+    where only CUDA turns it on) and takes it the next step, or the rows of the requests
+    going on where others ended: TP=1's tokens, which it computes without the overlap."""
+    target, _ = tiny
+    params = [SamplingParams(temperature=0, max_tokens=4 + 5 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    one = LLM(model=str(target), device="cpu", skip_tokenizer_init=True, overlap_decode=False)
+    want = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params)]
+    two = LLM(model=str(target), device="cpu", skip_tokenizer_init=True,
+              tensor_parallel_size=2, overlap_decode=True)
+    try:
+        got = [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)]
+        assert two.engine.overlapped_decode_steps == 18  # every decode step of the longest
+    finally:
+        two.shutdown()
+    assert got == want
+
+
 @pytest.mark.parametrize("spec", ["none", "ddtree"])
 def test_tp2_reuses_cached_prefixes_like_tp1_computes_them(tiny, spec):
     """Prompts sharing three full pages, sent twice: TP=2 with prefix caching (every rank
