@@ -149,3 +149,8 @@ class EngineConfig:
     # (`engine/decode_ahead.py`). None: on CUDA only (on a CPU nothing runs meanwhile, so it
     # gains nothing there); True forces it on (tests on a CPU).
     overlap_decode: bool | None = None
+
+    @property
+    def overlaps_decode(self) -> bool:
+        """`overlap_decode` resolved on this device."""
+        return self.device.type == "cuda" if self.overlap_decode is None else self.overlap_decode

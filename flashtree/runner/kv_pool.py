@@ -19,7 +19,8 @@ GIB = 1 << 30
 # for the weights, activations, other processes), at most vLLM's old CPU default of 4 GiB.
 CPU_SHARE, CPU_CAP_BYTES = 0.25, 4 * GIB
 # Under gpu_memory_utilization, kept outside the pool for what it does not profile: a step's
-# activations, CUDA graphs and the CUDA context (an allowance, not a measurement).
+# activations, CUDA graphs and the CUDA context (an allowance, not a measurement); a queued
+# decode's logits come on top (`queued_decode_bytes`).
 GPU_WORKSPACE_BYTES = GIB
 
 
@@ -51,17 +52,27 @@ def cpu_default_budget() -> int:
     return min(int(available_memory_bytes() * CPU_SHARE), CPU_CAP_BYTES)
 
 
-def utilization_budget(share: float, total: int, free: int, held: int) -> int:
+def queued_decode_bytes(args: EngineConfig, model: DecoderModel) -> int:
+    """What a queued decode forward (`engine/decode_ahead.py`) holds beside the step's own:
+    float32 logits of this rank's vocabulary slice for max_num_seqs requests (156 MB at 256
+    requests and a 152k vocabulary); nothing without the overlap."""
+    if not args.overlaps_decode:
+        return 0
+    return args.scheduler.max_num_seqs * model.lm_head.weight.shape[0] * 4
+
+
+def utilization_budget(share: float, total: int, free: int, held: int,
+                       workspace: int = GPU_WORKSPACE_BYTES) -> int:
     """The pool's bytes when the engine may use `share` of a GPU's `total` memory (vLLM's
     gpu_memory_utilization): that share less what this process `held` after loading (weights,
-    buffers) and GPU_WORKSPACE_BYTES; an error when that is nothing or is not `free`."""
-    budget = int(share * total) - held - GPU_WORKSPACE_BYTES
+    buffers) and the `workspace`; an error when that is nothing or is not `free`."""
+    budget = int(share * total) - held - workspace
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization={share} of {total / GIB:.1f} GiB leaves no KV cache after "
-            f"{held / GIB:.2f} GiB of weights and a {GPU_WORKSPACE_BYTES / GIB:.0f} GiB "
+            f"{held / GIB:.2f} GiB of weights and a {workspace / GIB:.2f} GiB "
             "workspace; raise it (allowed: (0, 1])")
-    if budget + GPU_WORKSPACE_BYTES > free:
+    if budget + workspace > free:
         raise ValueError(
             f"gpu_memory_utilization={share} asks for a {budget / GIB:.2f} GiB KV cache but "
             f"the GPU has {free / GIB:.2f} GiB free (other processes hold "
@@ -76,9 +87,11 @@ def check_pool_device(cache: CacheConfig, device: torch.device) -> None:
                          "--kv-cache-memory-gib)")
 
 
-def memory_budget(cache: CacheConfig, device: torch.device) -> int:
-    """The bytes the pool may take: `memory_bytes`, or from `gpu_memory_utilization`; by
-    default half the free GPU memory, or a share of the CPU's available memory."""
+def memory_budget(cache: CacheConfig, device: torch.device,
+                  workspace: int = GPU_WORKSPACE_BYTES) -> int:
+    """The bytes the pool may take: `memory_bytes`, or from `gpu_memory_utilization` (less
+    the `workspace`); by default half the free GPU memory, or a share of the CPU's available
+    memory."""
     check_pool_device(cache, device)
     if cache.memory_bytes is not None:
         return cache.memory_bytes
@@ -88,7 +101,7 @@ def memory_budget(cache: CacheConfig, device: torch.device) -> int:
     if cache.gpu_memory_utilization is None:
         return free // 2
     return utilization_budget(cache.gpu_memory_utilization, total, free,
-                              torch.cuda.memory_reserved(device))
+                              torch.cuda.memory_reserved(device), workspace)
 
 
 def kv_pool_pages(args: EngineConfig, model: DecoderModel, drafter: DFlashDraftModel | None
@@ -103,7 +116,8 @@ def kv_pool_pages(args: EngineConfig, model: DecoderModel, drafter: DFlashDraftM
         per_page = kv_bytes_per_token(model, drafter, args.dtype) * cache.page_size
         longest = cache.pages_for(args.scheduler.max_model_len)
         wanted = args.scheduler.max_num_seqs * longest
-        pages = max(longest, min(wanted, memory_budget(cache, device) // per_page))
+        workspace = GPU_WORKSPACE_BYTES + queued_decode_bytes(args, model)
+        pages = max(longest, min(wanted, memory_budget(cache, device, workspace) // per_page))
     return tp_min(pages, device)
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 from flashtree import LLM
 from flashtree.cli import build_parser, main
-from flashtree.config import CacheConfig
+from flashtree.config import CacheConfig, EngineConfig, SchedulerConfig
 from flashtree.runner import kv_pool
 from tests.tiny import save_tiny_qwen3
 
@@ -92,6 +93,30 @@ def test_gpu_memory_utilization_is_vllms_share_of_the_total(monkeypatch):
     assert (kv_pool.memory_budget(CacheConfig(gpu_memory_utilization=0.45), cuda)
             == int(0.45 * total) - held - workspace)
     assert kv_pool.memory_budget(CacheConfig(), cuda) == free // 2  # the default
+
+
+def test_a_queued_decode_forwards_logits_are_kept_outside_the_pool(tiny_dir, monkeypatch):
+    """With the overlap on (CUDA by default), the pool leaves room for a queued decode's
+    float32 logits of the rank's vocabulary slice, one row per request it may hold."""
+    model = LLM(model=str(tiny_dir), device="cpu", skip_tokenizer_init=True).model
+    args = EngineConfig(device=torch.device("cuda"), dtype=torch.float32,
+                        scheduler=SchedulerConfig(max_num_seqs=256, max_model_len=256),
+                        cache=CacheConfig(gpu_memory_utilization=0.5))
+    queued = 256 * model.cfg.vocab_size * 4
+    assert kv_pool.queued_decode_bytes(args, model) == queued
+    assert kv_pool.queued_decode_bytes(replace(args, overlap_decode=False), model) == 0
+    cpu = torch.device("cpu")
+    assert kv_pool.queued_decode_bytes(replace(args, device=cpu), model) == 0
+    assert kv_pool.queued_decode_bytes(replace(args, device=cpu, overlap_decode=True),
+                                       model) == queued
+    # A GPU whose half, less the workspace and the queued logits, holds 100 pages.
+    page = kv_pool.kv_bytes_per_token(model, None, torch.float32) * args.cache.page_size
+    total = 2 * (kv_pool.GPU_WORKSPACE_BYTES + queued + 100 * page)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    assert kv_pool.kv_pool_pages(args, model, None) == 100
+    unqueued = kv_pool.kv_pool_pages(replace(args, overlap_decode=False), model, None)
+    assert unqueued == 100 + queued // page
 
 
 @pytest.mark.parametrize("kwargs, message", [
