@@ -93,8 +93,7 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built for the first guided request
         # Greedy plain steps queue the next decode before their read (`decode_ahead`), by
         # default on CUDA; counted: steps taking one, ones none took.
-        self.overlap_decode = args.overlaps_decode
-        self._queued: QueuedDecode | None = None
+        self.overlap_decode, self._queued = args.overlaps_decode, None
         self.overlapped_decode_steps = self.dropped_decode_steps = 0
 
     # ------------------------------------------------------------------ requests
